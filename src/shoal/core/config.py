@@ -1,0 +1,175 @@
+"""Every knob of shoal in one typed registry.
+
+Each knob has a ``SHOAL_<NAME>`` environment variable and an in-process override for tests::
+
+    with shoal.core.config.override(timeout_s=2.0):
+        ...
+
+Nothing here reads the environment at import time: :func:`load` takes a snapshot when it is
+called (``shoal.init()`` calls it once). Unknown ``SHOAL_*`` variables are reported with the
+closest known name, because a typo in a tuning variable otherwise silently does nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import logging
+import os
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import ConfigError
+
+__all__ = ["Knob", "KNOBS", "Config", "load", "override", "env_name", "describe"]
+
+log = logging.getLogger("shoal.config")
+
+
+def _parse_bool(text: str) -> bool:
+    low = text.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected a boolean (1/0, true/false), got {text!r}")
+
+
+def _parse_bytes(text: str) -> int:
+    """Parse ``64MiB``, ``4k``, ``1048576``: binary units, case-insensitive."""
+    units = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20,
+             "mb": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
+    low = text.strip().lower()
+    num = low.rstrip("kmgib")
+    unit = low[len(num):]
+    if unit not in units:
+        raise ValueError(f"unknown size unit {unit!r} in {text!r}")
+    return int(float(num) * units[unit])
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One setting: its name, parser, default and what it does."""
+
+    name: str
+    parse: Callable[[str], Any]
+    default: Any
+    doc: str
+
+
+def _knobs(*items: Knob) -> dict[str, Knob]:
+    return {k.name: k for k in items}
+
+
+KNOBS: dict[str, Knob] = _knobs(
+    # identity and launch (set by shoalrun; read by topology when no other launcher is found)
+    Knob("rank", int, None, "global rank of this process"),
+    Knob("size", int, None, "number of processes in the job"),
+    Knob("local_rank", int, None, "rank among the processes on this host"),
+    Knob("local_size", int, None, "number of processes on this host"),
+    Knob("cross_rank", int, None, "index of this host among the job's hosts"),
+    Knob("cross_size", int, None, "number of hosts in the job"),
+    Knob("hostname", str, None, "host identity; processes with equal values share memory "
+         "(override it to split one machine into simulated nodes)"),
+    Knob("job_id", str, None, "job identifier, names shared-memory segments"),
+    Knob("secret", str, None, "job secret every connection must prove (hex); shoalrun sets it"),
+    Knob("rendezvous_addr", str, None, "address of the rendezvous store"),
+    Knob("rendezvous_port", int, None, "port of the rendezvous store"),
+    Knob("bind_addr", str, None, "address the data and store ports listen on "
+         "(default: the address peers were told to use, never all interfaces)"),
+    # time limits
+    Knob("timeout_s", float, 30.0, "longest wait for a peer inside a collective"),
+    Knob("start_timeout_s", float, 120.0, "longest wait for every rank to join the rendezvous"),
+    # transports and algorithms
+    Knob("allreduce_algorithm", str, "auto", "auto | shm | ring | hierarchical"),
+    Knob("shm_chunk_bytes", _parse_bytes, 1 << 20, "pipeline chunk of the shared-memory path"),
+    Knob("shm_enable", _parse_bool, True, "use shared memory between ranks on one host"),
+    Knob("tcp_buffer_bytes", _parse_bytes, 4 << 20, "socket send/receive buffer size"),
+    Knob("tcp_chunk_bytes", _parse_bytes, 4 << 20, "pipeline chunk of the TCP ring"),
+    # engine (fusion, timeline)
+    Knob("fusion_threshold", _parse_bytes, 64 << 20, "fusion buffer size in bytes"),
+    Knob("cycle_time_ms", float, 1.0, "how long the engine waits for more tensors to fuse"),
+    Knob("stall_warning_s", float, 60.0, "warn when a tensor waits this long for other ranks"),
+    Knob("stall_shutdown_s", float, 0.0, "fail a stalled tensor after this long (0: never)"),
+    Knob("timeline", str, None, "write a Chrome-trace timeline to this path"),
+    Knob("log_level", str, "WARNING", "logging level of the shoal loggers"),
+)
+
+
+def env_name(knob: str) -> str:
+    """``timeout_s`` -> ``SHOAL_TIMEOUT_S``."""
+    return "SHOAL_" + knob.upper()
+
+
+_ENV_TO_KNOB = {env_name(k): k for k in KNOBS}
+_overrides: dict[str, Any] = {}
+
+
+@dataclass(frozen=True)
+class Config:
+    """An immutable snapshot of every knob; attribute access by knob name."""
+
+    values: Mapping[str, Any] = field(default_factory=dict)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self.values[name]
+        except KeyError:
+            raise AttributeError(f"no shoal setting named {name!r}") from None
+
+    def replace(self, **changes: Any) -> Config:
+        """A copy with some knobs changed (names are checked)."""
+        _check_names(changes)
+        return Config({**self.values, **changes})
+
+
+def _check_names(names: Mapping[str, Any]) -> None:
+    for name in names:
+        if name not in KNOBS:
+            close = difflib.get_close_matches(name, KNOBS, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(f"unknown shoal setting {name!r}{hint}")
+
+
+def load(environ: Mapping[str, str] | None = None, **explicit: Any) -> Config:
+    """Snapshot the configuration: explicit arguments > overrides > ``SHOAL_*`` > defaults."""
+    env = os.environ if environ is None else environ
+    _check_names(explicit)
+    values: dict[str, Any] = {}
+    for name, knob in KNOBS.items():
+        raw = env.get(env_name(name))
+        value = knob.default
+        if raw is not None and raw != "":
+            try:
+                value = knob.parse(raw)
+            except ValueError as exc:
+                raise ConfigError(f"{env_name(name)}={raw!r} is not valid: {exc}") from None
+        values[name] = value
+    values.update(_overrides)
+    values.update({k: v for k, v in explicit.items() if v is not None})
+    for var in env:
+        if var.startswith("SHOAL_") and var not in _ENV_TO_KNOB:
+            close = difflib.get_close_matches(var, _ENV_TO_KNOB, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            log.warning("ignoring unknown environment variable %s%s", var, hint)
+    return Config(values)
+
+
+@contextlib.contextmanager
+def override(**values: Any) -> Iterator[None]:
+    """Temporarily override knobs in this process (for tests)."""
+    _check_names(values)
+    saved = dict(_overrides)
+    _overrides.update(values)
+    try:
+        yield
+    finally:
+        _overrides.clear()
+        _overrides.update(saved)
+
+
+def describe() -> str:
+    """A table of every knob, its variable, default and meaning (for docs and --help)."""
+    rows = [f"{env_name(k.name):32} {k.default!s:>10}  {k.doc}" for k in KNOBS.values()]
+    return "\n".join(rows)

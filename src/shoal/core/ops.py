@@ -1,0 +1,166 @@
+"""Reduction operators and the dtypes collectives accept, as plain functions on numpy arrays.
+
+bfloat16 has no numpy dtype of its own: shoal accepts ``ml_dtypes.bfloat16`` arrays and, from
+the framework adapters, ``uint16`` arrays tagged as bfloat16. Either way the data is reduced by
+widening to float32 with bit operations (exact), reducing, and rounding back to nearest-even.
+float16 sums and averages are accumulated in float32 for the same reason: rounding once, at the
+end, rather than once per rank.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import numpy as np
+
+__all__ = [
+    "ReduceOp", "Average", "Sum", "Min", "Max", "Product", "Adasum",
+    "check_array", "logical_dtype", "reduce_into", "finalize", "stage_op",
+    "bf16_to_f32", "f32_to_bf16", "SUPPORTED_DTYPES",
+]
+
+
+class ReduceOp(enum.IntEnum):
+    """How values from every rank are combined (Horovod's numbering)."""
+
+    AVERAGE = 0
+    SUM = 1
+    ADASUM = 2
+    MIN = 3
+    MAX = 4
+    PRODUCT = 5
+
+
+Average = ReduceOp.AVERAGE
+Sum = ReduceOp.SUM
+Adasum = ReduceOp.ADASUM
+Min = ReduceOp.MIN
+Max = ReduceOp.MAX
+Product = ReduceOp.PRODUCT
+
+SUPPORTED_DTYPES = (
+    "float16", "bfloat16", "float32", "float64",
+    "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "bool",
+)
+_HALF = ("float16", "bfloat16")
+
+
+def logical_dtype(array: np.ndarray, bf16: bool = False) -> str:
+    """The dtype name shoal reasons about (``bfloat16`` for tagged ``uint16`` arrays)."""
+    name = array.dtype.name
+    if bf16:
+        if name not in ("uint16", "int16", "bfloat16"):
+            raise TypeError(f"an array tagged bfloat16 must hold 16-bit words, not {name}")
+        return "bfloat16"
+    return name
+
+
+def check_array(array: object, what: str, rank: int, op: ReduceOp | None = None,
+                bf16: bool = False) -> str:
+    """Validate a collective's input; return its logical dtype name.
+
+    Raises ``TypeError`` for non-arrays and unsupported dtypes or ops, ``ValueError`` for
+    non-contiguous arrays, each naming the tensor, the rank and the fix.
+    """
+    if not isinstance(array, np.ndarray):
+        raise TypeError(f"rank {rank}: {what} must be a numpy.ndarray, got "
+                        f"{type(array).__name__}; convert it with numpy.asarray()")
+    if not array.flags.c_contiguous:
+        raise ValueError(f"rank {rank}: {what} is not C-contiguous (shape {array.shape}, strides "
+                         f"{array.strides}); pass numpy.ascontiguousarray(x)")
+    dtype = logical_dtype(array, bf16)
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"rank {rank}: {what} has dtype {dtype}, which shoal cannot reduce; "
+                        f"supported: {', '.join(SUPPORTED_DTYPES)}")
+    if op is not None:
+        if op == ReduceOp.ADASUM:
+            raise TypeError(f"rank {rank}: {what}: op Adasum is not supported; use Average or Sum")
+        if dtype == "bool" and op not in (ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT):
+            raise TypeError(f"rank {rank}: {what} is bool; only Min (and), Max (or) and "
+                            f"Product (and) make sense for it, not {op.name}")
+    return dtype
+
+
+def bf16_to_f32(words: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Widen bfloat16 bit patterns (any 16-bit view) to float32, exactly."""
+    wide = np.left_shift(words.view(np.uint16).astype(np.uint32), 16)
+    if out is None:
+        return wide.view(np.float32)
+    out.view(np.uint32)[...] = wide
+    return out
+
+
+def f32_to_bf16(values: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """Round float32 to bfloat16 (nearest, ties to even; NaN stays NaN) into 16-bit ``out``."""
+    bits = values.view(np.uint32)
+    rounded = bits + (np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))
+    result = (rounded >> np.uint32(16)).astype(np.uint16)
+    nan = np.isnan(values)
+    if nan.any():
+        result[nan] = ((bits[nan] >> np.uint32(16)) | np.uint32(0x40)).astype(np.uint16)
+    out.view(np.uint16)[...] = result
+    return out
+
+
+def stage_op(op: ReduceOp) -> ReduceOp:
+    """The op partial reductions use: an average is a sum until :func:`finalize` divides."""
+    return ReduceOp.SUM if op == ReduceOp.AVERAGE else op
+
+
+_BINARY = {
+    ReduceOp.SUM: np.add,
+    ReduceOp.MIN: np.minimum,
+    ReduceOp.MAX: np.maximum,
+    ReduceOp.PRODUCT: np.multiply,
+}
+_BOOL = {ReduceOp.MIN: np.logical_and, ReduceOp.MAX: np.logical_or,
+         ReduceOp.PRODUCT: np.logical_and}
+
+
+def _widen(x: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "bfloat16":
+        return bf16_to_f32(x)
+    return x.astype(np.float32)
+
+
+def _narrow(acc: np.ndarray, dst: np.ndarray, dtype: str) -> None:
+    if dtype == "bfloat16":
+        f32_to_bf16(acc, dst)
+    else:
+        np.copyto(dst, acc, casting="unsafe")
+
+
+def reduce_into(dst: np.ndarray, sources: list[np.ndarray], op: ReduceOp, dtype: str,
+                divide_by: int = 0) -> None:
+    """``dst = op(dst, *sources)`` in place, then divide by ``divide_by`` if it is non-zero.
+
+    Half precision types are accumulated (and divided) in float32 and rounded once.
+    """
+    op = stage_op(op)
+    if dtype in _HALF:
+        acc = _widen(dst, dtype)
+        for src in sources:
+            _BINARY[op](acc, _widen(src, dtype) if dtype == "bfloat16" else src, out=acc)
+        if divide_by:
+            np.divide(acc, divide_by, out=acc)
+        _narrow(acc, dst, dtype)
+        return
+    ufunc = _BOOL[op] if dtype == "bool" else _BINARY[op]
+    for src in sources:
+        ufunc(dst, src, out=dst)
+    if divide_by:
+        finalize(dst, ReduceOp.AVERAGE, divide_by, dtype)
+
+
+def finalize(dst: np.ndarray, op: ReduceOp, count: int, dtype: str) -> None:
+    """Turn a sum into an average in place (integers use floor division)."""
+    if op != ReduceOp.AVERAGE or count == 1:
+        return
+    if dtype in _HALF:
+        acc = _widen(dst, dtype)
+        np.divide(acc, count, out=acc)
+        _narrow(acc, dst, dtype)
+    elif dst.dtype.kind in "iu":
+        np.floor_divide(dst, count, out=dst)
+    else:
+        np.divide(dst, count, out=dst)

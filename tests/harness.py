@@ -1,0 +1,102 @@
+"""Run a function on N local processes as the ranks of one shoal job, with a hard timeout.
+
+``run_ranks(fn, n, hosts=...)`` forks ``n`` processes; each calls ``shoal.init`` with explicit
+arguments (rank 0 serves the rendezvous store), runs ``fn(rank, *args)`` and reports its return
+value or its exception. ``hosts`` splits the ranks into simulated nodes (``SHOAL_HOSTNAME``), so
+one machine tests the shm-inside/tcp-across layout. A rank that raises is reported with its
+traceback; ranks that never report are killed and named.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import secrets
+import signal
+import socket
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+_ctx = mp.get_context("fork")
+
+
+class RankFailure(AssertionError):
+    """One or more ranks raised or hung."""
+
+    def __init__(self, message: str, errors: dict[int, tuple[str, str]]) -> None:
+        super().__init__(message)
+        self.errors = errors  # rank -> (exception type name, traceback text)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(fn: Callable[..., Any], rank: int, size: int, host: str, port: int, secret: str,
+            job: str, settings: dict[str, Any], args: tuple, queue: Any) -> None:
+    import shoal
+    try:
+        shoal.init(rank=rank, size=size, rendezvous_addr="127.0.0.1", rendezvous_port=port,
+                   hostname=host, secret=secret, job_id=job, **settings)
+        try:
+            value = fn(rank, *args)
+        finally:
+            shoal.shutdown()
+        queue.put((rank, "ok", value, ""))
+    except BaseException as exc:  # reported to the test process
+        queue.put((rank, "err", type(exc).__name__, f"{exc}\n{traceback.format_exc()}"))
+    finally:
+        queue.close()
+        queue.join_thread()
+        os._exit(0)
+
+
+def run_ranks(fn: Callable[..., Any], n: int, *args: Any, hosts: Sequence[str] | None = None,
+              timeout: float = 60.0, expect_errors: bool = False,
+              **settings: Any) -> list[Any]:
+    """Run ``fn(rank, *args)`` on ``n`` ranks; return the values in rank order.
+
+    With ``expect_errors`` the per-rank outcomes are returned instead of raising: a list of
+    ``("ok", value)`` or ``("err", (type name, text))``, ``None`` for ranks that hung.
+    """
+    hosts = list(hosts) if hosts else ["node0"] * n
+    settings.setdefault("timeout_s", 10.0)
+    settings.setdefault("start_timeout_s", 20.0)
+    queue = _ctx.Queue()
+    port, secret = free_port(), secrets.token_hex(16)
+    job = f"t{os.getpid()}-{secrets.token_hex(3)}"
+    procs = [_ctx.Process(target=_worker, args=(fn, r, n, hosts[r], port, secret, job, settings,
+                                                args, queue), daemon=True) for r in range(n)]
+    for p in procs:
+        p.start()
+    outcomes: dict[int, tuple[str, Any, str]] = {}
+    deadline = time.monotonic() + timeout
+    while len(outcomes) < n and time.monotonic() < deadline:
+        try:
+            rank, status, value, text = queue.get(timeout=0.2)
+        except Exception:  # queue.Empty
+            if all(not p.is_alive() for p in procs) and queue.empty():
+                break
+            continue
+        outcomes[rank] = (status, value, text)
+    for p in procs:
+        p.join(2.0)
+        if p.is_alive():
+            os.kill(p.pid, signal.SIGKILL)
+            p.join(2.0)
+    if expect_errors:
+        return [None if r not in outcomes else
+                (outcomes[r][0], outcomes[r][1] if outcomes[r][0] == "ok"
+                 else (outcomes[r][1], outcomes[r][2])) for r in range(n)]
+    errors = {r: (o[1], o[2]) for r, o in outcomes.items() if o[0] == "err"}
+    missing = [r for r in range(n) if r not in outcomes]
+    if errors or missing:
+        lines = [f"rank {r} raised {t}: {text}" for r, (t, text) in sorted(errors.items())]
+        if missing:
+            lines.append(f"ranks {missing} never reported (hung or died) within {timeout}s")
+        raise RankFailure("\n".join(lines), errors)
+    return [outcomes[r][1] for r in range(n)]
