@@ -22,7 +22,7 @@ from typing import Any
 _ctx = mp.get_context("fork")
 
 
-class RankFailure(AssertionError):
+class RankFailureError(AssertionError):
     """One or more ranks raised or hung."""
 
     def __init__(self, message: str, errors: dict[int, tuple[str, str]]) -> None:
@@ -36,12 +36,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(fn: Callable[..., Any], rank: int, size: int, host: str, port: int, secret: str,
-            job: str, settings: dict[str, Any], args: tuple, queue: Any) -> None:
+def _worker(fn: Callable[..., Any], rank: int, size: int, host: str, port: int, job: str,
+            settings: dict[str, Any], args: tuple, queue: Any) -> None:
     import shoal
     try:
         shoal.init(rank=rank, size=size, rendezvous_addr="127.0.0.1", rendezvous_port=port,
-                   hostname=host, secret=secret, job_id=job, **settings)
+                   hostname=host, job_id=job, **settings)
         try:
             value = fn(rank, *args)
         finally:
@@ -57,6 +57,7 @@ def _worker(fn: Callable[..., Any], rank: int, size: int, host: str, port: int, 
 
 def run_ranks(fn: Callable[..., Any], n: int, *args: Any, hosts: Sequence[str] | None = None,
               timeout: float = 60.0, expect_errors: bool = False,
+              rank_settings: dict[int, dict[str, Any]] | None = None,
               **settings: Any) -> list[Any]:
     """Run ``fn(rank, *args)`` on ``n`` ranks; return the values in rank order.
 
@@ -69,7 +70,9 @@ def run_ranks(fn: Callable[..., Any], n: int, *args: Any, hosts: Sequence[str] |
     queue = _ctx.Queue()
     port, secret = free_port(), secrets.token_hex(16)
     job = f"t{os.getpid()}-{secrets.token_hex(3)}"
-    procs = [_ctx.Process(target=_worker, args=(fn, r, n, hosts[r], port, secret, job, settings,
+    per_rank = [{"secret": secret, **settings, **(rank_settings or {}).get(r, {})}
+                for r in range(n)]
+    procs = [_ctx.Process(target=_worker, args=(fn, r, n, hosts[r], port, job, per_rank[r],
                                                 args, queue), daemon=True) for r in range(n)]
     for p in procs:
         p.start()
@@ -98,5 +101,5 @@ def run_ranks(fn: Callable[..., Any], n: int, *args: Any, hosts: Sequence[str] |
         lines = [f"rank {r} raised {t}: {text}" for r, (t, text) in sorted(errors.items())]
         if missing:
             lines.append(f"ranks {missing} never reported (hung or died) within {timeout}s")
-        raise RankFailure("\n".join(lines), errors)
+        raise RankFailureError("\n".join(lines), errors)
     return [outcomes[r][1] for r in range(n)]

@@ -30,10 +30,27 @@ from .transport.shm import ShmGroup
 from .transport.tcp import TcpMesh
 
 __all__ = [
-    "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
-    "cross_rank", "cross_size", "world", "communicator",
-    "allreduce", "allreduce_async", "allgather", "broadcast", "reducescatter", "alltoall",
-    "barrier", "broadcast_object", "allgather_object", "Handle",
+    "Handle",
+    "allgather",
+    "allgather_object",
+    "allreduce",
+    "allreduce_async",
+    "alltoall",
+    "barrier",
+    "broadcast",
+    "broadcast_object",
+    "communicator",
+    "cross_rank",
+    "cross_size",
+    "init",
+    "is_initialized",
+    "local_rank",
+    "local_size",
+    "rank",
+    "reducescatter",
+    "shutdown",
+    "size",
+    "world",
 ]
 
 log = logging.getLogger("shoal")

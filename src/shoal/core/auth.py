@@ -21,7 +21,7 @@ import socket
 from .errors import AuthenticationError, PeerLostError
 from .netutil import recv_exact
 
-__all__ = ["MAGIC", "server_handshake", "client_handshake", "secret_bytes"]
+__all__ = ["MAGIC", "client_handshake", "secret_bytes", "server_handshake"]
 
 MAGIC = b"SHOAL\x00\x01\x00"
 _NONCE = 32

@@ -22,7 +22,7 @@ from typing import Any
 
 from .errors import ConfigError
 
-__all__ = ["Knob", "KNOBS", "Config", "load", "override", "env_name", "describe"]
+__all__ = ["KNOBS", "Config", "Knob", "describe", "env_name", "load", "override"]
 
 log = logging.getLogger("shoal.config")
 

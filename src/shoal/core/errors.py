@@ -7,15 +7,15 @@ Elastic training catches :class:`PeerLostError` (the recoverable "collective fai
 from __future__ import annotations
 
 __all__ = [
-    "ShoalError",
-    "ConfigError",
-    "TopologyError",
-    "RendezvousError",
     "AuthenticationError",
     "CollectiveMismatchError",
-    "PeerLostError",
-    "ShoalTimeoutError",
+    "ConfigError",
     "NotInitializedError",
+    "PeerLostError",
+    "RendezvousError",
+    "ShoalError",
+    "ShoalTimeoutError",
+    "TopologyError",
 ]
 
 

@@ -6,7 +6,7 @@ import socket
 
 from .errors import PeerLostError
 
-__all__ = ["recv_exact", "recv_into_exact", "tune_socket", "connect"]
+__all__ = ["connect", "recv_exact", "recv_into_exact", "tune_socket"]
 
 
 def recv_into_exact(sock: socket.socket, view: memoryview, what: str = "peer",

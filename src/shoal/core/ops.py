@@ -14,9 +14,21 @@ import enum
 import numpy as np
 
 __all__ = [
-    "ReduceOp", "Average", "Sum", "Min", "Max", "Product", "Adasum",
-    "check_array", "logical_dtype", "reduce_into", "finalize", "stage_op",
-    "bf16_to_f32", "f32_to_bf16", "SUPPORTED_DTYPES",
+    "SUPPORTED_DTYPES",
+    "Adasum",
+    "Average",
+    "Max",
+    "Min",
+    "Product",
+    "ReduceOp",
+    "Sum",
+    "bf16_to_f32",
+    "check_array",
+    "f32_to_bf16",
+    "finalize",
+    "logical_dtype",
+    "reduce_into",
+    "stage_op",
 ]
 
 
@@ -131,14 +143,19 @@ def _narrow(acc: np.ndarray, dst: np.ndarray, dtype: str) -> None:
 
 
 def reduce_into(dst: np.ndarray, sources: list[np.ndarray], op: ReduceOp, dtype: str,
-                divide_by: int = 0) -> None:
-    """``dst = op(dst, *sources)`` in place, then divide by ``divide_by`` if it is non-zero.
+                divide_by: int = 0, first: np.ndarray | None = None) -> None:
+    """``dst = op(first or dst, *sources)``, then divide by ``divide_by`` if it is non-zero.
 
-    Half precision types are accumulated (and divided) in float32 and rounded once.
+    ``first`` lets the caller reduce straight from its own private array into ``dst`` without
+    copying it there first. Half precision types are accumulated (and divided) in float32 and
+    rounded once.
     """
     op = stage_op(op)
+    if first is not None and not sources:
+        np.copyto(dst, first)
+        first = None
     if dtype in _HALF:
-        acc = _widen(dst, dtype)
+        acc = _widen(dst if first is None else first, dtype)
         for src in sources:
             _BINARY[op](acc, _widen(src, dtype) if dtype == "bfloat16" else src, out=acc)
         if divide_by:
@@ -146,6 +163,9 @@ def reduce_into(dst: np.ndarray, sources: list[np.ndarray], op: ReduceOp, dtype:
         _narrow(acc, dst, dtype)
         return
     ufunc = _BOOL[op] if dtype == "bool" else _BINARY[op]
+    if first is not None:
+        ufunc(first, sources[0], out=dst)
+        sources = sources[1:]
     for src in sources:
         ufunc(dst, src, out=dst)
     if divide_by:

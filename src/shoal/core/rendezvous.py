@@ -1,16 +1,9 @@
-"""The rendezvous store: a small authenticated key-value store over TCP.
+"""The rendezvous store: a small authenticated key-value store over TCP (no pickle, ever).
 
-Rank 0 (or shoalrun) serves a :class:`StoreServer`; ranks talk to it through :class:`StoreClient`
-during start-up and for occasional control traffic. Keys are UTF-8 strings of at most 1 KiB,
-values are bytes; nothing from the network is ever unpickled. After the mutual HMAC handshake of
-:mod:`shoal.core.auth` (role ``b"store"``) the wire carries::
-
-    request  = !BIIQ (op, key length, value length, timeout ms) + key + value
-    response = !BI   (status, value length) + value
-
-Waiting requests block on the server (a condition variable) until satisfied or until their own
-timeout expires. A frame that breaks the protocol closes its connection and is counted in
-:attr:`StoreServer.refused`; the store and the other clients carry on.
+After the HMAC handshake of :mod:`shoal.core.auth` (role ``b"store"``) a request is ``!BIIQ``
+(op, key length, value length, timeout ms) + key + value; a response is ``!BI`` (status, value
+length) + value. Waiting requests block on the server until satisfied or their own timeout
+expires. A frame that breaks the protocol closes its connection and counts as refused.
 """
 
 from __future__ import annotations
@@ -23,7 +16,6 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
-from types import TracebackType
 
 from . import auth
 from .errors import PeerLostError, RendezvousError
@@ -38,10 +30,8 @@ MAX_KEY_BYTES = 1024
 MAX_VALUE_BYTES = 64 << 20
 _REQUEST = struct.Struct("!BIIQ")
 _RESPONSE = struct.Struct("!BI")
-_KEYLEN = struct.Struct("!H")
 _MAX_WAIT_S = 30 * 86400.0  # longer waits are clamped (and stay far below threading.TIMEOUT_MAX)
 _HINT = "rank 0 or the launcher probably exited"
-_MAX_COUNTER_BYTES = 32  # counters stay small, so int <-> str never hits Python's digit limit
 
 
 class Op(enum.IntEnum):
@@ -51,7 +41,7 @@ class Op(enum.IntEnum):
     GET = 2
     ADD = 3  # value: decimal delta; answers the new decimal value
     DELETE = 4
-    WAIT = 5  # value: packed key list; on timeout answers the keys still missing
+    WAIT = 5  # like GET, but answers no value
     WAIT_AT_LEAST = 6  # value: decimal target for the counter at key; on timeout answers it
 
 
@@ -65,26 +55,19 @@ class Status(enum.IntEnum):
     ERROR = 4  # well-formed but impossible request; value: UTF-8 reason
 
 
-_TAKES_VALUE = frozenset({Op.SET, Op.ADD, Op.WAIT, Op.WAIT_AT_LEAST})
+_TAKES_VALUE = frozenset({Op.SET, Op.ADD, Op.WAIT_AT_LEAST})
 
 
-class _BadFrameError(Exception):
-    """A request that breaks the protocol; its connection is refused."""
+class _RefusedError(Exception):
+    """A failed handshake or a frame that breaks the protocol: the connection is refused."""
 
 
-def _pack_keys(keys: Sequence[bytes]) -> bytes:
-    return b"".join(_KEYLEN.pack(len(k)) + k for k in keys)
-
-
-def _unpack_keys(data: bytes) -> list[str]:
-    keys, pos = [], 0
-    while pos < len(data):
-        (n,) = _KEYLEN.unpack_from(data, pos) if pos + 2 <= len(data) else (1 << 16,)
-        if n > MAX_KEY_BYTES or pos + 2 + n > len(data):
-            raise ValueError("bad key length in key list")
-        keys.append(data[pos + 2:pos + 2 + n].decode())
-        pos += 2 + n
-    return keys
+def _counter(raw: bytes) -> int | None:
+    """A short decimal integer (short: int <-> str never hits Python's digit limit) or None."""
+    try:
+        return int(raw) if len(raw) <= 32 else None
+    except ValueError:
+        return None
 
 
 class StoreServer:
@@ -93,36 +76,35 @@ class StoreServer:
     def __init__(self, secret: bytes, host: str = "127.0.0.1", port: int = 0, *,
                  max_value_bytes: int = MAX_VALUE_BYTES, handshake_timeout: float = 5.0) -> None:
         self._secret, self._host, self._port = secret, host, port
-        self._max_value = max_value_bytes
-        self._handshake_timeout = handshake_timeout
+        self._max_value, self._handshake_timeout = max_value_bytes, handshake_timeout
         self._data: dict[str, bytes] = {}
         self._cond = threading.Condition()
-        self._closed = False
+        self._closed, self._refused = False, 0
         self._lock = threading.Lock()  # guards _conns and _refused
         self._conns: dict[socket.socket, threading.Thread] = {}
-        self._refused = 0
         self._listener: socket.socket | None = None
         self._acceptor: threading.Thread | None = None
 
     def start(self) -> StoreServer:
         """Bind (with ``SO_REUSEADDR``), listen and serve from daemon threads; returns ``self``."""
-        family, kind, proto, _, sockaddr = socket.getaddrinfo(
-            self._host or None, self._port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
-        sock = socket.socket(family, kind, proto)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(sockaddr)
-            sock.listen(128)
+        family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
+        try:  # create_server sets SO_REUSEADDR (on POSIX) and closes the socket on failure
+            sock = socket.create_server((self._host, self._port), family=family, backlog=128)
         except OSError as exc:
-            sock.close()
             raise RendezvousError(f"cannot serve the rendezvous store on {self._host}:"
                                   f"{self._port}: {exc} (is the port already in use?)") from exc
         sock.settimeout(0.2)  # the accept loop polls, so close() never races a blocked accept()
         self._listener = sock
-        self._acceptor = threading.Thread(target=self._accept_loop, name="shoal-store-accept",
-                                          daemon=True)
+        self._acceptor = threading.Thread(target=self._accept_loop, args=(sock,),
+                                          name="shoal-store-accept", daemon=True)
         self._acceptor.start()
         return self
+
+    def __enter__(self) -> StoreServer:
+        return self.start() if self._listener is None else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def address(self) -> tuple[str, int]:
@@ -153,22 +135,11 @@ class StoreServer:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RD)
         deadline = time.monotonic() + 2.0
-        for thread in conns.values():
+        for sock, thread in conns.items():
             thread.join(timeout=max(0.0, deadline - time.monotonic()))
-        for sock in conns:
-            with contextlib.suppress(OSError):
-                sock.close()
+            sock.close()
 
-    def __enter__(self) -> StoreServer:
-        return self.start() if self._listener is None else self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.close()
-
-    def _accept_loop(self) -> None:
-        listener = self._listener
-        assert listener is not None
+    def _accept_loop(self, listener: socket.socket) -> None:
         with listener:
             while not self._closed:
                 try:
@@ -181,19 +152,9 @@ class StoreServer:
                 peer = f"{addr[0]}:{addr[1]}"
                 thread = threading.Thread(target=self._serve, args=(sock, peer),
                                           name=f"shoal-store-{peer}", daemon=True)
-                with self._lock:
-                    if self._closed:
-                        sock.close()
-                        return
+                with self._lock:  # close() joins this thread before it looks at _conns
                     self._conns[sock] = thread
                 thread.start()
-
-    def _refuse(self, peer: str, reason: object) -> None:
-        if self._closed:
-            return  # a connection cut by close() is not a misbehaving client
-        with self._lock:
-            self._refused += 1
-        log.warning("refused connection from %s: %s", peer, reason)
 
     def _serve(self, sock: socket.socket, peer: str) -> None:
         try:
@@ -201,20 +162,17 @@ class StoreServer:
             sock.settimeout(self._handshake_timeout)
             try:
                 auth.server_handshake(sock, self._secret, ROLE)
-            except (RendezvousError, OSError) as exc:
-                self._refuse(peer, exc)
-                return
+            except (RendezvousError, OSError) as exc:  # wrong secret, garbage, silence
+                raise _RefusedError(exc) from None
             sock.settimeout(None)
-            while not self._closed:
-                try:
-                    request = self._read_request(sock)
-                except _BadFrameError as exc:
-                    self._refuse(peer, exc)
-                    return
-                if request is None:
-                    return
+            while not self._closed and (request := self._read_request(sock)) is not None:
                 status, value = self._execute(*request)
                 sock.sendall(_RESPONSE.pack(status, len(value)) + value)
+        except _RefusedError as exc:
+            if not self._closed:  # a connection cut by close() is not a misbehaving client
+                with self._lock:
+                    self._refused += 1
+                log.warning("refused connection from %s: %s", peer, exc)
         except (OSError, PeerLostError):
             pass  # the client went away between requests or while we answered
         except Exception:
@@ -234,36 +192,29 @@ class StoreServer:
                 head += recv_exact(sock, _REQUEST.size - len(head))
             code, key_len, value_len, timeout_ms = _REQUEST.unpack(head)
             if code not in Op.__members__.values():
-                raise _BadFrameError(f"unknown op code {code}")
+                raise _RefusedError(f"unknown op code {code}")
             op = Op(code)
             if key_len > MAX_KEY_BYTES:
-                raise _BadFrameError(f"key of {key_len} bytes exceeds {MAX_KEY_BYTES} bytes")
+                raise _RefusedError(f"key of {key_len} bytes exceeds {MAX_KEY_BYTES} bytes")
             if value_len > self._max_value:
-                raise _BadFrameError(f"value of {value_len} bytes exceeds max_value_bytes="
+                raise _RefusedError(f"value of {value_len} bytes exceeds max_value_bytes="
                                      f"{self._max_value}")
             if value_len and op not in _TAKES_VALUE:
-                raise _BadFrameError(f"{op.name} takes no value but {value_len} bytes came")
+                raise _RefusedError(f"{op.name} takes no value but {value_len} bytes came")
             body = recv_exact(sock, key_len + value_len) if key_len + value_len else b""
         except PeerLostError:
-            raise _BadFrameError("connection closed in the middle of a frame") from None
+            raise _RefusedError("connection closed in the middle of a frame") from None
         value = body[key_len:]
         try:
             key = body[:key_len].decode()
-            if op in (Op.ADD, Op.WAIT_AT_LEAST) and (len(value) > _MAX_COUNTER_BYTES
-                                                     or int(value) is None):
-                raise ValueError("not a short decimal integer")
-            elif op is Op.WAIT:
-                _unpack_keys(value)
+            if op in (Op.ADD, Op.WAIT_AT_LEAST) and _counter(value) is None:
+                raise ValueError("expected a short decimal integer")
         except ValueError as exc:  # includes UnicodeDecodeError
-            raise _BadFrameError(f"malformed {op.name} request: {exc}") from None
+            raise _RefusedError(f"malformed {op.name} request: {exc}") from None
         return op, key, value, min(timeout_ms / 1000.0, _MAX_WAIT_S)
 
     def _count(self, key: str) -> int | None:
-        raw = self._data.get(key, b"0")
-        try:
-            return int(raw) if len(raw) <= _MAX_COUNTER_BYTES else None
-        except ValueError:
-            return None
+        return _counter(self._data.get(key, b"0"))
 
     def _wait(self, ready: Callable[[], bool], timeout: float) -> bool:
         return bool(self._cond.wait_for(lambda: self._closed or ready(), timeout)) and ready()
@@ -275,23 +226,17 @@ class StoreServer:
                 self._cond.notify_all()
                 return Status.OK, b""
             if op is Op.DELETE:
-                found = self._data.pop(key, None) is not None
-                return (Status.OK if found else Status.NOT_FOUND), b""
+                return (Status.NOT_FOUND if self._data.pop(key, None) is None else Status.OK), b""
             if op is Op.ADD:
                 count = self._count(key)
                 if count is None:
-                    return Status.ERROR, f"key {key!r} does not hold an integer".encode()
-                self._data[key] = str(count + int(value)).encode()
+                    return Status.ERROR, f"key {key!r} does not hold a counter".encode()
+                self._data[key] = str(count + int(value)).encode()  # value was validated
                 self._cond.notify_all()
                 return Status.OK, self._data[key]
-            if op is Op.GET:
+            if op in (Op.GET, Op.WAIT):
                 if self._wait(lambda: key in self._data, timeout):
-                    return Status.OK, self._data[key]
-            elif op is Op.WAIT:
-                keys = _unpack_keys(value)
-                if self._wait(lambda: all(k in self._data for k in keys), timeout):
-                    return Status.OK, b""
-                value = _pack_keys([k.encode() for k in keys if k not in self._data])
+                    return Status.OK, self._data[key] if op is Op.GET else b""
             else:  # Op.WAIT_AT_LEAST
                 target = int(value)
                 if self._wait(lambda: (self._count(key) or 0) >= target, timeout):
@@ -301,19 +246,15 @@ class StoreServer:
 
 
 class StoreClient:
-    """A thread-safe connection to a :class:`StoreServer`: one request in flight at a time.
-
-    A blocking call holds the connection until it returns, so threads that wait concurrently
-    should use clients of their own.
-    """
+    """A thread-safe connection to a :class:`StoreServer`: one request in flight at a time
+    (a blocking call holds it, so threads that wait concurrently want clients of their own)."""
 
     def __init__(self, addr: str, port: int, secret: bytes, *, timeout: float = 30.0,
                  connect_timeout: float = 120.0, rank: int | None = None) -> None:
         self.addr, self.port, self.timeout = addr, port, timeout
         self._who = f"rank {rank}: " if rank is not None else ""
         self._where = f"the rendezvous store at {addr}:{port}"
-        self._lock = threading.Lock()
-        self._closed = False
+        self._lock, self._closed = threading.Lock(), False
         self._sock = self._connect(secret, connect_timeout)
 
     def _connect(self, secret: bytes, connect_timeout: float) -> socket.socket:
@@ -325,30 +266,27 @@ class StoreClient:
             try:
                 sock = connect(self.addr, self.port, min(left, self.timeout))
                 tune_socket(sock)
-                auth.client_handshake(sock, secret, ROLE)  # AuthenticationError propagates
+                auth.client_handshake(sock, secret, ROLE)
                 return sock
-            except OSError as exc:  # refused, unreachable, timed out: the server may be starting
-                last = str(exc) or type(exc).__name__
-            except BaseException:
+            except BaseException as exc:
                 if sock is not None:
                     sock.close()
-                raise
-            if sock is not None:
-                sock.close()
+                if not isinstance(exc, OSError):  # AuthenticationError: retrying cannot help
+                    raise
+                last = str(exc) or type(exc).__name__  # refused, reset, timed out: retry
             time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
             delay = min(delay * 2, 1.0)
         raise RendezvousError(
-            f"{self._who}could not reach {self._where} within {connect_timeout:g}s (last "
-            f"error: {last}); check that rank 0 or shoalrun is running, that "
-            "SHOAL_RENDEZVOUS_ADDR/SHOAL_RENDEZVOUS_PORT point at it and that no firewall "
-            "blocks the port")
+            f"{self._who}could not reach {self._where} within {connect_timeout:g}s (last error: "
+            f"{last}); check that rank 0 or shoalrun is running, that SHOAL_RENDEZVOUS_ADDR/"
+            "SHOAL_RENDEZVOUS_PORT point at it and that no firewall blocks the port")
 
     def _request(self, op: Op, key: str, value: bytes, wait: float,
                  what: str) -> tuple[Status, bytes]:
         """One request/response; CLOSED and ERROR answers become :class:`RendezvousError`."""
         key_b = key.encode()
         if len(key_b) > MAX_KEY_BYTES or len(value) > MAX_VALUE_BYTES:
-            raise ValueError(f"store key ({len(key_b)} bytes) or value ({len(value)} bytes) "
+            raise ValueError(f"{what}: key ({len(key_b)} bytes) or value ({len(value)} bytes) "
                              f"exceeds the limit ({MAX_KEY_BYTES} / {MAX_VALUE_BYTES} bytes)")
         wait = min(max(wait, 0.0), _MAX_WAIT_S)
         head = _REQUEST.pack(op, len(key_b), len(value), int(wait * 1000)) + key_b
@@ -357,40 +295,25 @@ class StoreClient:
                 raise RendezvousError(f"{self._who}{what}: this store client is closed")
             try:
                 self._sock.settimeout(wait + self.timeout)
-                if len(value) > 1 << 16:
-                    self._sock.sendall(head)
-                    self._sock.sendall(value)
-                else:
-                    self._sock.sendall(head + value)
+                self._sock.sendall(head + value)
                 code, n = _RESPONSE.unpack(recv_exact(self._sock, _RESPONSE.size, "store"))
                 value = recv_exact(self._sock, n, "store") if n else b""
-            except TimeoutError:
-                self._drop()
-                raise RendezvousError(f"{self._who}{what}: {self._where} did not answer within "
-                                      f"{wait + self.timeout:g}s") from None
             except (OSError, PeerLostError) as exc:
-                closed_here = self._closed
-                self._drop()
+                closed_here, self._closed = self._closed, True
+                self._sock.close()
                 if closed_here:
-                    raise RendezvousError(f"{self._who}{what}: the client was closed") from None
-                raise RendezvousError(f"{self._who}{what}: {self._where} went away ({_HINT}): "
-                                      f"{exc}") from None
+                    problem = "the client was closed"
+                elif isinstance(exc, TimeoutError):
+                    problem = f"{self._where} did not answer within {wait + self.timeout:g}s"
+                else:
+                    problem = f"{self._where} went away ({_HINT}): {exc}"
+                raise RendezvousError(f"{self._who}{what}: {problem}") from None
         if code == Status.CLOSED:
             raise RendezvousError(f"{self._who}{what}: {self._where} shut down ({_HINT})")
-        if code == Status.ERROR:
-            raise RendezvousError(f"{self._who}{what}: {value.decode(errors='replace')}")
-        if code not in Status.__members__.values():
-            raise RendezvousError(f"{self._who}{what}: {self._where} answered with unknown "
-                                  f"status {code}")
+        if code == Status.ERROR or code not in Status.__members__.values():
+            reason = value.decode(errors="replace") or f"unknown status {code}"
+            raise RendezvousError(f"{self._who}{what}: {self._where} answered: {reason}")
         return Status(code), value
-
-    def _drop(self) -> None:
-        self._closed = True
-        with contextlib.suppress(OSError):
-            self._sock.close()
-
-    def _wait_s(self, timeout: float | None) -> float:
-        return self.timeout if timeout is None else timeout
 
     def set(self, key: str, value: bytes) -> None:
         """Store ``value`` under ``key`` (replacing any old value) and wake its waiters."""
@@ -398,7 +321,7 @@ class StoreClient:
 
     def get(self, key: str, timeout: float | None = None) -> bytes:
         """The value of ``key``, waiting (on the server) up to ``timeout`` for it to appear."""
-        wait = self._wait_s(timeout)
+        wait = self.timeout if timeout is None else timeout
         status, value = self._request(Op.GET, key, b"", wait, f"waiting for key {key!r}")
         if status is not Status.OK:
             raise RendezvousError(
@@ -422,26 +345,30 @@ class StoreClient:
         status, _ = self._request(Op.DELETE, key, b"", 0.0, f"deleting key {key!r}")
         return status is Status.OK
 
-    def _missing(self, keys: Sequence[str], wait: float, what: str) -> list[str]:
-        encoded = [k.encode() for k in keys]
-        if any(len(k) > MAX_KEY_BYTES for k in encoded):
-            raise ValueError(f"a store key exceeds {MAX_KEY_BYTES} bytes")
-        status, value = self._request(Op.WAIT, "", _pack_keys(encoded), wait, what)
-        return [] if status is Status.OK else _unpack_keys(value)
+    def _gather(self, op: Op, keys: Sequence[str], wait: float,
+                what: str) -> tuple[list[bytes], list[int]]:
+        """Wait (on the server) up to ``wait`` for all keys: (answers, indexes still missing)."""
+        deadline, values = time.monotonic() + wait, []
+        for i, key in enumerate(keys):
+            status, value = self._request(op, key, b"", deadline - time.monotonic(), what)
+            if status is not Status.OK:
+                return values, [i] + [j for j in range(i + 1, len(keys)) if self._request(
+                    Op.WAIT, keys[j], b"", 0.0, what)[0] is not Status.OK]
+            values.append(value)
+        return values, []
 
     def wait(self, keys: Sequence[str], timeout: float | None = None) -> None:
         """Wait until every key exists; the error lists the keys still missing."""
-        wait = self._wait_s(timeout)
-        missing = self._missing(keys, wait, f"waiting for {len(keys)} keys")
+        wait = self.timeout if timeout is None else timeout
+        missing = [repr(keys[i]) for i in self._gather(Op.WAIT, keys, wait, "waiting")[1]]
         if missing:
             raise RendezvousError(f"{self._who}keys still missing from {self._where} after "
-                                  f"{wait:g}s: {', '.join(repr(k) for k in missing)}")
+                                  f"{wait:g}s: {', '.join(missing)}")
 
     def barrier(self, name: str, size: int, timeout: float | None = None) -> None:
         """Wait until ``size`` callers reached barrier ``name`` (use each name only once)."""
-        wait, key = self._wait_s(timeout), f"{name}/count"
-        if self.add(key, 1) >= size:
-            return
+        wait, key = self.timeout if timeout is None else timeout, f"{name}/count"
+        self.add(key, 1)
         status, value = self._request(Op.WAIT_AT_LEAST, key, str(int(size)).encode(), wait,
                                       f"waiting in barrier {name!r}")
         if status is not Status.OK:
@@ -452,28 +379,25 @@ class StoreClient:
     def allgather(self, name: str, rank: int, size: int, value: bytes,
                   timeout: float | None = None) -> list[bytes]:
         """Publish ``value`` as ``rank``'s share of ``name``; every rank's share, by rank."""
-        wait = self._wait_s(timeout)
+        wait = self.timeout if timeout is None else timeout
         self.set(f"{name}/{rank}", value)
         keys = [f"{name}/{r}" for r in range(size)]
-        missing = set(self._missing(keys, wait, f"allgather {name!r}"))
+        values, missing = self._gather(Op.GET, keys, wait, f"allgather {name!r}")
         if missing:
-            ranks = [r for r, k in enumerate(keys) if k in missing]
             raise RendezvousError(
-                f"{self._who}allgather {name!r}: ranks {ranks} of {size} did not publish "
+                f"{self._who}allgather {name!r}: ranks {missing} of {size} did not publish "
                 f"within {wait:g}s (they are probably slow, stuck or dead)")
-        return [self.get(k, timeout=wait) for k in keys]
+        return values
 
     def close(self) -> None:
         """Close the connection (idempotent; wakes a request blocked in another thread)."""
         self._closed = True
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
-        with contextlib.suppress(OSError):
-            self._sock.close()
+        self._sock.close()
 
     def __enter__(self) -> StoreClient:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()

@@ -1,15 +1,12 @@
-"""``shoalrun``: start N copies of a command as one shoal job.
+"""``shoalrun``: start N copies of a command as one shoal job, for example
+``shoalrun -np 4 -H node-a:2,node-b:2 --emulate-hosts -x OMP_NUM_THREADS=2 python train.py``.
 
-Usage: ``shoalrun -np 4 python train.py``, ``shoalrun -np 4 -x OMP_NUM_THREADS=2 python
-train.py``, ``shoalrun -np 4 -H node-a:2,node-b:2 --emulate-hosts python train.py``.
-
-Every worker runs in its own session (process group). Its output is copied to shoalrun's
-stdout/stderr, each line tagged ``[<rank>]<stdout>: `` or ``[<rank>]<stderr>: ``. The first
-worker to exit non-zero (or by a signal) stops the job: the others get SIGTERM, then SIGKILL
-after ``--kill-grace`` seconds, leftover shared memory ``/dev/shm/shoal-<job_id>-*`` is
-removed, one summary line goes to stderr and shoalrun exits with that worker's code
-(128 + signal number for a signal). Ctrl-C or SIGTERM to shoalrun stops the job the same way
-(exit 130 or 143).
+Every worker runs in its own session (process group). Its output lines reach shoalrun's
+stdout/stderr tagged ``[<rank>]<stdout>: `` / ``[<rank>]<stderr>: ``. The first worker to exit
+non-zero or by a signal stops the job: the others get SIGTERM, then SIGKILL after
+``--kill-grace`` seconds; leftover shared memory ``/dev/shm/shoal-<job_id>-*`` is removed, one
+summary line goes to stderr and shoalrun exits with that worker's code (128 + the signal
+number for a signal). Ctrl-C or SIGTERM to shoalrun stops the job the same way (exit 130, 143).
 
 Hosts: without ``-H`` every worker runs on this machine. ``-H host:slots,...`` fills the hosts
 in order. Only this machine (``localhost``, ``127.0.0.1``, its host name) can be launched on
@@ -200,8 +197,7 @@ def make_job_id(now: float | None = None, pid: int | None = None) -> str:
 
 def worker_env(spec: WorkerSpec, job: Job, base_env: Mapping[str, str]) -> dict[str, str]:
     """The complete environment of one worker (see the module docstring)."""
-    env = dict(base_env)
-    env.update(job.forward)
+    env = {**base_env, **job.forward}
     for attr, names in _VARS.items():
         value = getattr(spec if hasattr(spec, attr) else job, attr)
         env.update({name: str(value) for name in names})
@@ -243,13 +239,26 @@ def _pump(stream: IO[bytes], tag: bytes, target: str, lock: threading.Lock) -> N
                     out.flush()
 
 
-def _signal_group(pid: int, sig: int) -> bool:
-    """Signal a worker's process group (signal 0: test it); False if nothing is left in it."""
-    try:
+def _signal_group(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        return False
-    return True
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a process group has a live member (zombies may wait long for a slow init)."""
+    if not os.path.isdir("/proc"):
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError, IndexError, ValueError), \
+                open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # state, ppid, pgrp, ...
+            if fields[0] != "Z" and int(fields[2]) == pgid:
+                return True
+    return False
 
 
 def _stop_all(workers: Sequence[_Worker], grace: float,
@@ -259,7 +268,7 @@ def _stop_all(workers: Sequence[_Worker], grace: float,
         _signal_group(w.proc.pid, signal.SIGTERM)
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline and not hurry():
-        if all(w.proc.poll() is not None and not _signal_group(w.proc.pid, 0) for w in workers):
+        if all(w.proc.poll() is not None and not _group_alive(w.proc.pid) for w in workers):
             break
         time.sleep(POLL_S)
     for w in workers:
@@ -268,12 +277,6 @@ def _stop_all(workers: Sequence[_Worker], grace: float,
         w.proc.wait()
         for t in w.threads:  # readers end at EOF, once every process holding the pipe is gone
             t.join(timeout=5.0)
-
-
-def _remove_shm(job_id: str) -> None:
-    for path in glob.glob(f"/dev/shm/shoal-{glob.escape(job_id)}-*"):
-        with contextlib.suppress(OSError):
-            os.unlink(path)
 
 
 def _describe_exit(code: int) -> str:
@@ -301,7 +304,7 @@ def _wait_and_report(w: _Worker, exits: queue.Queue[_Worker]) -> None:
 def _supervise(specs: Sequence[WorkerSpec], job: Job, command: Sequence[str],
                kill_grace: float) -> int:
     lock = threading.Lock()
-    exits: queue.Queue[_Worker] = queue.Queue()
+    done: queue.Queue[_Worker] = queue.Queue()
     workers: list[_Worker] = []
     caught: list[int] = []
     saved = _install_handlers(caught)
@@ -323,8 +326,7 @@ def _supervise(specs: Sequence[WorkerSpec], job: Job, command: Sequence[str],
                 tag = f"[{spec.rank}]<{name}>: ".encode()
                 w.threads.append(threading.Thread(
                     target=_pump, args=(stream, tag, name, lock), daemon=True))
-            w.threads.append(threading.Thread(target=_wait_and_report, args=(w, exits),
-                                              daemon=True))
+            w.threads.append(threading.Thread(target=_wait_and_report, args=(w, done), daemon=True))
             for t in w.threads:
                 t.start()
             workers.append(w)
@@ -332,7 +334,7 @@ def _supervise(specs: Sequence[WorkerSpec], job: Job, command: Sequence[str],
         finished = 0
         while not caught and finished < len(workers):
             try:
-                w = exits.get(timeout=POLL_S)
+                w = done.get(timeout=POLL_S)
             except queue.Empty:
                 continue
             finished += 1
@@ -359,12 +361,6 @@ def _supervise(specs: Sequence[WorkerSpec], job: Job, command: Sequence[str],
             signal.signal(sig, signal.SIG_DFL if old is None else old)  # type: ignore[arg-type]
 
 
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
-
-
 def launch(specs: Sequence[WorkerSpec], command: Sequence[str], *,
            forward: Mapping[str, str] | None = None, emulate_hosts: bool = False,
            start_timeout_s: float = 120.0, kill_grace: float = 5.0,
@@ -379,9 +375,12 @@ def launch(specs: Sequence[WorkerSpec], command: Sequence[str], *,
     store.start()
     try:
         addr, port = store.address
+        with socket.socket() as sock:  # a free port for torch.distributed's own store
+            sock.bind((LOCAL_ADDR, 0))
+            master_port = int(sock.getsockname()[1])
         job = Job(job_id=job_id, secret=secret, size=len(specs), rendezvous_addr=str(addr),
                   rendezvous_port=int(port), master_addr=LOCAL_ADDR,
-                  master_port=_free_port(LOCAL_ADDR), start_timeout_s=start_timeout_s,
+                  master_port=master_port, start_timeout_s=start_timeout_s,
                   emulate_hosts=emulate_hosts, forward=dict(forward or {}))
         if verbose:
             _err(f"job {job_id}: {len(specs)} workers, rendezvous {addr}:{port}, "
@@ -392,7 +391,9 @@ def launch(specs: Sequence[WorkerSpec], command: Sequence[str], *,
         return _supervise(specs, job, command, kill_grace)
     finally:
         store.close()
-        _remove_shm(job_id)
+        for path in glob.glob(f"/dev/shm/shoal-{glob.escape(job_id)}-*"):  # left by a crash
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -15,11 +15,11 @@ from ..errors import ConfigError
 if TYPE_CHECKING:
     from ..comm import Communicator
 
-__all__ = ["ALGORITHMS", "register", "select", "applicable"]
+__all__ = ["ALGORITHMS", "applicable", "register", "select"]
 
 Algorithm = Callable[..., None]
 ALGORITHMS: dict[str, Algorithm] = {}
-_REQUIRES: dict[str, Callable[["Communicator"], str | None]] = {}
+_REQUIRES: dict[str, Callable[[Communicator], str | None]] = {}
 
 
 def register(name: str, requires: Callable[[Any], str | None]) -> Callable[[Algorithm],

@@ -18,6 +18,7 @@ Segments are unlinked as soon as every local rank has mapped them, so a crash le
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import mmap
 import os
@@ -27,7 +28,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from ..errors import CollectiveMismatchError, PeerLostError, ShoalTimeoutError
+from ..errors import CollectiveMismatchError, PeerLostError
 
 __all__ = ["ShmGroup", "segment_dir", "segment_path"]
 
@@ -207,14 +208,18 @@ class ShmGroup:
             seq = self.seq
             s = seq % 2
             views = [slot[s][: m * itemsize].view(src.dtype) for slot in self._slots]
-            np.copyto(views[me], src[start:start + m])
+            chunk = src[start:start + m]
+            lo, hi = self.part(m, me)
+            # the peers reduce every part but ours; ours is reduced straight from ``src``
+            if lo:
+                np.copyto(views[me][:lo], chunk[:lo])
+            if hi < m:
+                np.copyto(views[me][hi:], chunk[hi:])
             self._hdr[me][_ARRIVE] = seq
             self._wait(_ARRIVE, seq, what)
-            lo, hi = self.part(m, me)
             if hi > lo:
                 mine = views[me][lo:hi]
-                if n > 1:
-                    reduce(mine, [views[p][lo:hi] for p in self._peers])
+                reduce(mine, [views[p][lo:hi] for p in self._peers], first=chunk[lo:hi])
                 if cross is not None:
                     cross(mine)
                 if finish is not None:
@@ -232,10 +237,9 @@ class ShmGroup:
         self._hdr = self._desc = []
         self._slots = []
         for m in self._maps:
-            try:
+            # a view may still be alive somewhere; then the mapping goes with the process
+            with contextlib.suppress(BufferError):
                 m.close()
-            except BufferError:
-                pass  # a view is still alive somewhere; the mapping goes with the process
         self._maps = []
 
 

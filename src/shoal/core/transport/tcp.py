@@ -14,6 +14,7 @@ for ``timeout`` seconds, or a closed connection, is a :class:`PeerLostError` nam
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import selectors
 import socket
@@ -238,13 +239,9 @@ class TcpMesh:
     def close(self) -> None:
         """Close every connection (peers see end-of-stream)."""
         for sock in self._socks.values():
-            try:
+            with contextlib.suppress(OSError):
                 sock.close()
-            except OSError:
-                pass
         self._socks.clear()
         self._sel.close()
-        try:
+        with contextlib.suppress(OSError):
             self._listener.close()
-        except OSError:
-            pass
