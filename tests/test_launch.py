@@ -215,7 +215,9 @@ if rank != fail:
 end = time.time() + 30
 while len(list(d.glob("*.pids"))) < size - 1 and time.time() < end:
     time.sleep(0.02)
-pathlib.Path(f"/dev/shm/shoal-{os.environ['SHOAL_JOB_ID']}-test").write_bytes(b"x")
+shm = pathlib.Path(f"/dev/shm/shoal-{os.environ['SHOAL_JOB_ID']}-test")
+shm.write_bytes(b"x")
+(d / "shm").write_text(str(shm))
 if mode == "sigkill":
     os.kill(os.getpid(), signal.SIGKILL)
 sys.exit(3)
@@ -226,8 +228,10 @@ def _recorded_pids(d: Path) -> list[int]:
     return [int(p) for f in sorted(d.glob("*.pids")) for p in f.read_text().split()]
 
 
-def _no_leftover_shm() -> None:
-    assert not [p for p in Path("/dev/shm").glob("shoal-*-test")]
+def _no_leftover_shm(d: Path) -> None:
+    shm = Path((d / "shm").read_text())
+    assert shm.name.startswith("shoal-")
+    assert not shm.exists()
 
 
 def test_failure_stops_the_job_fast(tmp_path: Path) -> None:
@@ -239,7 +243,7 @@ def test_failure_stops_the_job_fast(tmp_path: Path) -> None:
     pids = _recorded_pids(tmp_path)
     assert len(pids) == 4
     _assert_gone(pids)
-    _no_leftover_shm()
+    _no_leftover_shm(tmp_path)
 
 
 def test_worker_killed_by_signal(tmp_path: Path) -> None:
@@ -255,14 +259,16 @@ def test_worker_ignoring_sigterm_is_killed(tmp_path: Path) -> None:
     proc, took = _run("-np", "2", "--kill-grace", "0.5", sys.executable, "-c", WORKER,
                       "ignore", str(tmp_path), "0")
     assert proc.returncode == 3, proc.stderr
-    assert took < 15
+    assert 0.5 <= took < 15
+    assert "rank 0 (host" in proc.stderr and "stopped 1 other worker" in proc.stderr
     pids = _recorded_pids(tmp_path)
     assert len(pids) == 2
     _assert_gone(pids)
-    _no_leftover_shm()
+    _no_leftover_shm(tmp_path)
 
 
-def test_sigterm_to_shoalrun_stops_the_job(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_to_shoalrun_stops_the_job(tmp_path: Path, sig: signal.Signals) -> None:
     proc = subprocess.Popen(_cmd("-np", "2", sys.executable, "-c", WORKER, "sleep",
                                  str(tmp_path), "-1"),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -271,10 +277,10 @@ def test_sigterm_to_shoalrun_stops_the_job(tmp_path: Path) -> None:
         deadline = time.monotonic() + 30
         while len(list(tmp_path.glob("*.pids"))) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
         _, err = proc.communicate(timeout=30)
     finally:
         proc.kill()
-    assert proc.returncode == 143, err
-    assert "shoalrun: received SIGTERM" in err
+    assert proc.returncode == 128 + sig, err
+    assert f"shoalrun: received {sig.name}; stopped the job (2 running workers)" in err
     _assert_gone(_recorded_pids(tmp_path))

@@ -80,25 +80,37 @@ class Communicator:
             raise
 
     def _agree(self, desc: str, what: str) -> None:
-        """Every rank checks every other rank is running the same collective."""
+        """Every rank checks every other rank is running the same collective.
+
+        On a host the check is one shared-memory round; across hosts each local rank then
+        swaps its host's verdict with its peers on the other hosts (a mismatch found on one
+        host travels as ``!`` + JSON), so every rank of the job raises the same error.
+        """
         if self.size == 1:
             return
         w = self.world
         if self.shm is not None and w.homogeneous:
-            self.shm.agree(desc, what)
+            local = self.shm.agree(desc, what)
             if w.cross_size == 1:
+                if local is not None:
+                    raise CollectiveMismatchError(mismatch_message(what, local), local)
                 return
             group = w.cross_peers
+            verdict = desc if local is None else "!" + json.dumps(local)
         else:
-            group = tuple(range(self.size))
-        blobs = self._gather_bytes(group, desc.encode(), what)
-        texts = [b.decode(errors="replace") for b in blobs]
-        if len(set(texts)) > 1:
-            descs: dict[int, str] = {}
-            by_node = group == w.cross_peers and len(group) != self.size
-            for i, (peer, text) in enumerate(zip(group, texts, strict=True)):
+            group, verdict = tuple(range(self.size)), desc
+        texts = [b.decode(errors="replace")
+                 for b in self._gather_bytes(group, verdict.encode(), what)]
+        if len(set(texts)) == 1 and not texts[0].startswith("!"):
+            return
+        by_node = len(group) != self.size
+        descs: dict[int, str] = {}
+        for i, (peer, text) in enumerate(zip(group, texts, strict=True)):
+            if text.startswith("!"):
+                descs.update({int(r): d for r, d in json.loads(text[1:]).items()})
+            else:
                 descs.update(dict.fromkeys(w.node_ranks(i) if by_node else (peer,), text))
-            raise CollectiveMismatchError(mismatch_message(what, descs), descs)
+        raise CollectiveMismatchError(mismatch_message(what, descs), descs)
 
     def _gather_bytes(self, group: Sequence[int], blob: bytes, what: str) -> list[bytes]:
         """Allgather small byte strings among ``group`` over TCP (lengths, then payloads)."""

@@ -89,7 +89,7 @@ def check_array(array: object, what: str, rank: int, op: ReduceOp | None = None,
             raise TypeError(f"rank {rank}: {what}: op Adasum is not supported; use Average or Sum")
         if dtype == "bool" and op not in (ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT):
             raise TypeError(f"rank {rank}: {what} is bool; only Min (and), Max (or) and "
-                            f"Product (and) make sense for it, not {op.name}")
+                            f"Product (and) make sense for it, not {op.name.capitalize()}")
     return dtype
 
 

@@ -55,9 +55,6 @@ class Status(enum.IntEnum):
     ERROR = 4  # well-formed but impossible request; value: UTF-8 reason
 
 
-_TAKES_VALUE = frozenset({Op.SET, Op.ADD, Op.WAIT_AT_LEAST})
-
-
 class _RefusedError(Exception):
     """A failed handshake or a frame that breaks the protocol: the connection is refused."""
 
@@ -111,8 +108,7 @@ class StoreServer:
         """The ``(host, port)`` actually bound (the real port even when 0 was asked for)."""
         if self._listener is None:
             raise RendezvousError("the rendezvous store has not been started")
-        host, port = self._listener.getsockname()[:2]
-        return host, port
+        return self._listener.getsockname()[:2]
 
     @property
     def refused(self) -> int:
@@ -199,7 +195,7 @@ class StoreServer:
             if value_len > self._max_value:
                 raise _RefusedError(f"value of {value_len} bytes exceeds max_value_bytes="
                                      f"{self._max_value}")
-            if value_len and op not in _TAKES_VALUE:
+            if value_len and op not in (Op.SET, Op.ADD, Op.WAIT_AT_LEAST):
                 raise _RefusedError(f"{op.name} takes no value but {value_len} bytes came")
             body = recv_exact(sock, key_len + value_len) if key_len + value_len else b""
         except PeerLostError:

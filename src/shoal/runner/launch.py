@@ -208,8 +208,6 @@ def worker_env(spec: WorkerSpec, job: Job, base_env: Mapping[str, str]) -> dict[
     return env
 
 
-# ----------------------------------------------------------------------------------- running
-
 
 @dataclass
 class _Worker:
@@ -239,26 +237,26 @@ def _pump(stream: IO[bytes], tag: bytes, target: str, lock: threading.Lock) -> N
                     out.flush()
 
 
-def _signal_group(pid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
+def _signal_group(pid: int, sig: int) -> bool:
+    try:
         os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
 
 
-def _group_alive(pgid: int) -> bool:
-    """Whether a process group has a live member (zombies may wait long for a slow init)."""
+def _live_groups(pgids: Collection[int]) -> set[int]:
+    """Those process groups with a member that is not a zombie (init may reap them late)."""
     if not os.path.isdir("/proc"):
-        try:
-            os.killpg(pgid, 0)
-        except (ProcessLookupError, PermissionError):
-            return False
-        return True
+        return {g for g in pgids if _signal_group(g, 0)}
+    live: set[int] = set()
     for pid in filter(str.isdigit, os.listdir("/proc")):
         with contextlib.suppress(OSError, IndexError, ValueError), \
                 open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()  # state, ppid, pgrp, ...
-            if fields[0] != "Z" and int(fields[2]) == pgid:
-                return True
-    return False
+            if fields[0] != "Z":
+                live.add(int(fields[2]))
+    return live.intersection(pgids)
 
 
 def _stop_all(workers: Sequence[_Worker], grace: float,
@@ -268,7 +266,8 @@ def _stop_all(workers: Sequence[_Worker], grace: float,
         _signal_group(w.proc.pid, signal.SIGTERM)
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline and not hurry():
-        if all(w.proc.poll() is not None and not _group_alive(w.proc.pid) for w in workers):
+        if all(w.proc.poll() is not None for w in workers) and \
+                not _live_groups([w.proc.pid for w in workers]):
             break
         time.sleep(POLL_S)
     for w in workers:
@@ -282,10 +281,8 @@ def _stop_all(workers: Sequence[_Worker], grace: float,
 def _describe_exit(code: int) -> str:
     if code >= 0:
         return f"exited with code {code}"
-    try:
-        return f"was killed by {signal.Signals(-code).name}"
-    except ValueError:
-        return f"was killed by signal {-code}"
+    names = {s.value: s.name for s in signal.Signals}
+    return f"was killed by {names.get(-code, f'signal {-code}')}"
 
 
 def _install_handlers(caught: list[int]) -> dict[int, object]:
@@ -356,6 +353,9 @@ def _supervise(specs: Sequence[WorkerSpec], job: Job, command: Sequence[str],
             _err(f"received {sig.name}; stopped the job ({running} running worker{plural})")
             return 128 + sig.value
         return 0
+    except BaseException:  # a bug of ours: never leave workers behind
+        _stop_all(workers, 0.0)
+        raise
     finally:
         for sig, old in saved.items():
             signal.signal(sig, signal.SIG_DFL if old is None else old)  # type: ignore[arg-type]
@@ -383,8 +383,7 @@ def launch(specs: Sequence[WorkerSpec], command: Sequence[str], *,
                   master_port=master_port, start_timeout_s=start_timeout_s,
                   emulate_hosts=emulate_hosts, forward=dict(forward or {}))
         if verbose:
-            _err(f"job {job_id}: {len(specs)} workers, rendezvous {addr}:{port}, "
-                 f"MASTER_PORT {job.master_port}")
+            _err(f"job {job_id}: rendezvous {addr}:{port}, MASTER_PORT {master_port}")
             for s in specs:
                 _err(f"  rank {s.rank} -> host {s.host} (local rank {s.local_rank}/"
                      f"{s.local_size}, cross rank {s.cross_rank}/{s.cross_size})")
@@ -403,7 +402,8 @@ def build_parser() -> argparse.ArgumentParser:
         usage="shoalrun -np N [-H host:slots,...] [options] command [args...]",
         description="Start N workers of a shoal job (worker environment: pydoc "
                     "shoal.runner.launch).")
-    p.add_argument("-np", "--num-proc", dest="np", type=int, required=True, help="workers")
+    p.add_argument("-np", "--num-proc", dest="np", type=int, required=True, metavar="N",
+                   help="number of workers")
     p.add_argument("-H", "--hosts", help="host:slots[,...], filled in order (default: here)")
     p.add_argument("--emulate-hosts", action="store_true",
                    help="run every -H host on this machine as a simulated node")

@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from ..errors import CollectiveMismatchError, PeerLostError
+from ..errors import PeerLostError
 
 __all__ = ["ShmGroup", "segment_dir", "segment_path"]
 
@@ -156,10 +156,12 @@ class ShmGroup:
         """Tell the peers this rank gave up, so they fail at once instead of timing out."""
         self._hdr[self.me][_ABORT] = 1
 
-    def agree(self, desc: str, what: str) -> None:
+    def agree(self, desc: str, what: str) -> dict[int, str] | None:
         """Check every local rank is about to run the same collective; one sync round.
 
-        Raises :class:`CollectiveMismatchError` on every rank if the descriptions differ.
+        Returns None when all agree, else every local rank's description by global rank
+        (the same on every local rank, so they can all report it, or pass it on to the
+        other hosts first).
         """
         self.seq += 1
         seq = self.seq
@@ -173,10 +175,10 @@ class ShmGroup:
         mine[sig_slot] = sig
         mine[_ARRIVE] = seq
         self._wait(_ARRIVE, seq, what)
-        if any(self._hdr[p][sig_slot] != sig for p in self._peers):
-            descs = {self.ranks[p]: self._read_desc(p) for p in range(self.n)}
-            raise CollectiveMismatchError(mismatch_message(what, descs), descs)
         mine[_REDUCED] = seq
+        if any(self._hdr[p][sig_slot] != sig for p in self._peers):
+            return {self.ranks[p]: self._read_desc(p) for p in range(self.n)}
+        return None
 
     def _read_desc(self, p: int) -> str:
         text = self._desc[p]
