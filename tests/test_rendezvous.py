@@ -8,7 +8,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -21,6 +21,7 @@ from shoal.core.rendezvous import Op, StoreClient, StoreServer
 SECRET = bytes.fromhex("5e" * 32)
 SMALL_MAX = 4096  # max_value_bytes of the servers that face hostile input
 HEADER = struct.Struct("!BIIQ")
+T = TypeVar("T")
 
 
 @pytest.fixture
@@ -42,9 +43,9 @@ def client(server: StoreServer) -> Iterator[StoreClient]:
         yield c
 
 
-def run_threads(n: int, target: Callable[[int], object]) -> list[object]:
+def run_threads(n: int, target: Callable[[int], T]) -> list[T | None]:
     """Run target(0..n-1) in threads; re-raise the first failure; results by index."""
-    results: list[object] = [None] * n
+    results: list[T | None] = [None] * n
     errors: list[BaseException] = []
 
     def body(i: int) -> None:
@@ -180,7 +181,7 @@ def test_concurrent_add_is_atomic(server: StoreServer) -> None:
             return [c.add("counter", 1) for _ in range(50)]
 
     results = run_threads(4, adder)
-    seen = sorted(v for r in results for v in r)  # type: ignore[attr-defined]
+    seen = sorted(v for r in results for v in r or [])
     assert seen == list(range(1, 201))
 
 

@@ -180,8 +180,7 @@ class StoreServer:
 
     def _read_request(self, sock: socket.socket) -> tuple[Op, str, bytes, float] | None:
         """Read and validate one frame; ``None`` on a clean close between frames."""
-        head = sock.recv(_REQUEST.size)
-        if not head:
+        if not (head := sock.recv(_REQUEST.size)):
             return None
         try:
             if len(head) < _REQUEST.size:
@@ -194,7 +193,7 @@ class StoreServer:
                 raise _RefusedError(f"key of {key_len} bytes exceeds {MAX_KEY_BYTES} bytes")
             if value_len > self._max_value:
                 raise _RefusedError(f"value of {value_len} bytes exceeds max_value_bytes="
-                                     f"{self._max_value}")
+                                    f"{self._max_value}")
             if value_len and op not in (Op.SET, Op.ADD, Op.WAIT_AT_LEAST):
                 raise _RefusedError(f"{op.name} takes no value but {value_len} bytes came")
             body = recv_exact(sock, key_len + value_len) if key_len + value_len else b""
@@ -320,9 +319,8 @@ class StoreClient:
         wait = self.timeout if timeout is None else timeout
         status, value = self._request(Op.GET, key, b"", wait, f"waiting for key {key!r}")
         if status is not Status.OK:
-            raise RendezvousError(
-                f"{self._who}key {key!r} did not appear in {self._where} within {wait:g}s "
-                "(the rank that should set it is probably slow, stuck or dead)")
+            raise RendezvousError(f"{self._who}key {key!r} did not appear in {self._where} "
+                                  f"within {wait:g}s (whoever sets it is slow, stuck or dead)")
         return value
 
     def try_get(self, key: str) -> bytes | None:

@@ -1,0 +1,178 @@
+"""``shoal bench allreduce``: float32 allreduce time and bandwidth, shoal vs torch gloo.
+
+The driver starts one job per world size through shoalrun. Inside the job every rank
+initialises shoal *and* (when torch is installed) ``torch.distributed`` over gloo, and the
+methods take turns trial by trial, so machine noise hits all of them alike. A single-process
+``numpy.copyto`` of the same size, timed in the same job, is the physical floor (one pass over
+memory). Times are the per-trial maximum over ranks (a collective is as slow as its slowest
+rank); the table reports the minimum and median over trials, and the spread.
+
+bus bandwidth = bytes / time x 2 (n-1) / n, the traffic a bandwidth-optimal allreduce must move
+per rank, as nccl-tests reports it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from .stats import human_bytes, parse_size, stats
+
+__all__ = ["run", "add_arguments", "format_table", "worker_main"]
+
+DEFAULT_SIZES = "4K,64K,1M,16M,64M"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of ``shoal bench allreduce``."""
+    p.add_argument("--np", type=int, nargs="+", default=[2, 4], help="world sizes to run")
+    p.add_argument("--sizes", default=DEFAULT_SIZES, help="message sizes, e.g. 4K,1M,64M")
+    p.add_argument("--trials", type=int, default=15, help="timed trials per method and size")
+    p.add_argument("--peers", default="gloo", help="comma list of peers: gloo (or none)")
+    p.add_argument("--out", default="results/bench-allreduce.json", help="JSON results file")
+    p.add_argument("--timeout", type=float, default=900, help="seconds per world size")
+
+
+def _reps(nbytes: int) -> int:
+    """Back-to-back operations per trial: enough that small messages outlast timer noise."""
+    return max(1, min(200, (4 << 20) // max(nbytes, 1)))
+
+
+def _methods(peers: Sequence[str]) -> tuple[dict[str, Callable[[np.ndarray, Any], Any]],
+                                            dict[str, str]]:
+    import shoal
+    methods: dict[str, Callable[[np.ndarray, Any], Any]] = {
+        "shoal": lambda x, state: shoal.allreduce(x, op=shoal.Sum, name="bench", out=state),
+    }
+    missing: dict[str, str] = {}
+    if "gloo" in peers:
+        try:
+            import torch
+            import torch.distributed as dist
+        except ImportError:
+            missing["gloo"] = "torch is not installed (pip install 'shoal[torch]')"
+        else:
+            torch.set_num_threads(1)
+            dist.init_process_group("gloo", init_method="env://")
+            methods["gloo"] = lambda x, t: dist.all_reduce(t)
+    return methods, missing
+
+
+def worker_main(argv: Sequence[str]) -> None:
+    """Runs inside every rank of the job (started by shoalrun)."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--sizes", required=True)
+    p.add_argument("--trials", type=int, required=True)
+    p.add_argument("--peers", default="")
+    p.add_argument("--json", required=True)
+    args = p.parse_args(argv)
+    import shoal
+    shoal.init()
+    methods, missing = _methods([s for s in args.peers.split(",") if s])
+    rng = np.random.default_rng(shoal.rank())
+    times: dict[str, dict[int, list[float]]] = {m: {} for m in [*methods, "memcpy"]}
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    for nbytes in sizes:
+        x = rng.standard_normal(nbytes // 4).astype(np.float32)
+        state: dict[str, Any] = {"shoal": np.empty_like(x), "memcpy": np.empty_like(x)}
+        if "gloo" in methods:
+            import torch
+            state["gloo"] = torch.from_numpy(x.copy())
+        reps = _reps(nbytes)
+        names = list(methods)
+        for name in names:  # warm up: connections, page faults, caches
+            methods[name](x, state[name])
+        for trial in range(args.trials):
+            for name in names[trial % len(names):] + names[:trial % len(names)]:
+                shoal.barrier()
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    methods[name](x, state[name])
+                times[name].setdefault(nbytes, []).append((time.perf_counter() - t0) / reps)
+            shoal.barrier()
+            if shoal.rank() == 0:  # the floor: one process, one pass over memory
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    np.copyto(state["memcpy"], x)
+                times["memcpy"].setdefault(nbytes, []).append((time.perf_counter() - t0) / reps)
+    everyone = shoal.allgather_object(times)
+    if shoal.rank() == 0:
+        n = shoal.size()
+        result: dict[str, Any] = {"np": n, "missing": missing, "sizes": sizes, "methods": {}}
+        for name in times:
+            per_size = {}
+            for nbytes in sizes:
+                ranks = [t[name][nbytes] for t in everyone if nbytes in t[name]]
+                worst = np.max(np.asarray(ranks), axis=0)
+                s = stats(worst)
+                s["algbw_GBps"] = nbytes / s["min"] / 1e9
+                s["busbw_GBps"] = s["algbw_GBps"] * 2 * (n - 1) / n
+                per_size[str(nbytes)] = s
+            result["methods"][name] = per_size
+        result["algorithm"] = shoal.communicator().algorithm
+        with open(args.json, "w") as f:
+            json.dump(result, f)
+    shoal.shutdown()
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """One row per size: each method's min / median time and bandwidth, and the ratios."""
+    methods = result["methods"]
+    peers = [m for m in methods if m not in ("shoal", "memcpy")]
+    head = f"{'size':>8} | {'shoal ms':>9} {'med':>8} {'busbw':>7} |"
+    for p in peers:
+        head += f" {p + ' ms':>9} {'med':>8} | {'shoal/' + p:>10} |"
+    head += f" {'memcpy ms':>9} | {'shoal/memcpy':>12}"
+    lines = [f"np={result['np']} algorithm={result['algorithm']}"
+             + "".join(f"  [{k} missing: {v}]" for k, v in result["missing"].items()),
+             head, "-" * len(head)]
+    for nbytes in result["sizes"]:
+        key = str(nbytes)
+        s = methods["shoal"][key]
+        row = (f"{human_bytes(nbytes):>8} | {s['min'] * 1e3:9.3f} {s['median'] * 1e3:8.3f} "
+               f"{s['busbw_GBps']:6.2f}G |")
+        for p in peers:
+            q = methods[p][key]
+            row += f" {q['min'] * 1e3:9.3f} {q['median'] * 1e3:8.3f} | " \
+                   f"{s['min'] / q['min']:9.2f}x |"
+        m = methods["memcpy"][key]
+        row += f" {m['min'] * 1e3:9.3f} | {s['min'] / m['min']:11.2f}x"
+        lines.append(row)
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Driver: one shoalrun job per world size; print the tables and write the JSON file."""
+    results = []
+    for n in args.np:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "result.json")
+            cmd = [sys.executable, "-m", "shoal.runner", "-np", str(n), sys.executable, "-m",
+                   "shoal.bench.allreduce", "--sizes", args.sizes, "--trials", str(args.trials),
+                   "--peers", args.peers, "--json", out]
+            proc = subprocess.run(cmd, timeout=args.timeout, check=False)
+            if proc.returncode != 0:
+                print(f"shoal bench allreduce: the np={n} job failed (exit {proc.returncode})",
+                      file=sys.stderr)
+                return proc.returncode
+            with open(out) as f:
+                results.append(json.load(f))
+        print(format_table(results[-1]), flush=True)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"command": " ".join(sys.argv), "results": results}, f, indent=1)
+    print(f"results written to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    worker_main(sys.argv[1:])

@@ -1,0 +1,33 @@
+"""The ``shoal`` command: ``shoal bench ...`` and ``shoal config``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+__all__ = ["main"]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``shoal`` console script."""
+    parser = argparse.ArgumentParser(prog="shoal", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    bench = sub.add_parser("bench", help="measure shoal against its peers")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    from .bench import allreduce
+    allreduce.add_arguments(bench_sub.add_parser(
+        "allreduce", help="float32 allreduce, shoal vs torch gloo vs memcpy"))
+    sub.add_parser("config", help="list every SHOAL_* setting with its default")
+    args = parser.parse_args(argv)
+    if args.command == "config":
+        from .core.config import describe
+        print(describe())
+        return 0
+    if args.bench == "allreduce":
+        return allreduce.run(args)
+    return 2  # pragma: no cover
+
+
+if __name__ == "__main__":
+    sys.exit(main())
