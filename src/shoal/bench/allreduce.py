@@ -27,7 +27,7 @@ import numpy as np
 
 from .stats import human_bytes, parse_size, stats
 
-__all__ = ["run", "add_arguments", "format_table", "worker_main"]
+__all__ = ["add_arguments", "format_table", "run", "worker_main"]
 
 DEFAULT_SIZES = "4K,64K,1M,16M,64M"
 

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["stats", "parse_size", "human_bytes"]
+__all__ = ["human_bytes", "parse_size", "stats"]
 
 
 def stats(samples: Sequence[float]) -> dict[str, float]:
