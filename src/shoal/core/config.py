@@ -79,7 +79,8 @@ KNOBS: dict[str, Knob] = _knobs(
     Knob("bind_addr", str, None, "address the data and store ports listen on "
          "(default: the address peers were told to use, never all interfaces)"),
     # time limits
-    Knob("timeout_s", float, 30.0, "longest wait for a peer inside a collective"),
+    Knob("timeout_s", float, 300.0, "longest wait for a live peer inside a collective (a dead "
+         "process or closed connection is reported at once)"),
     Knob("start_timeout_s", float, 120.0, "longest wait for every rank to join the rendezvous"),
     # transports and algorithms
     Knob("allreduce_algorithm", str, "auto", "auto | shm | ring | hierarchical"),
