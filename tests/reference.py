@@ -41,30 +41,24 @@ def rank_input(case: str, rank: int, shape: tuple[int, ...], dtype: str,
     return data.reshape(shape)
 
 
+_UFUNC = {"SUM": np.add, "AVERAGE": np.add, "MIN": np.minimum, "MAX": np.maximum,
+          "PRODUCT": np.multiply}
+_BOOL = {"MIN": np.logical_and, "MAX": np.logical_or, "PRODUCT": np.logical_and}
+
+
 def reference(inputs: list[np.ndarray], op: str, dtype: str) -> np.ndarray:
-    """What an allreduce of ``inputs`` must produce."""
+    """What an allreduce of ``inputs`` must produce: floats reduced in float64 and rounded
+    once, integers in their own width (wrapping), integer averages floor-divided."""
     n = len(inputs)
-    if dtype in FLOATS:
-        wide = [x.astype(np.float64) for x in inputs]
-        fn = {"SUM": np.add, "AVERAGE": np.add, "MIN": np.minimum, "MAX": np.maximum,
-              "PRODUCT": np.multiply}[op]
-        acc = wide[0].copy()
-        for x in wide[1:]:
-            acc = fn(acc, x)
-        if op == "AVERAGE":
-            acc = acc / n
-        return acc.astype(dtype_of(dtype))
-    if dtype == "bool":
-        fn = {"MIN": np.logical_and, "MAX": np.logical_or, "PRODUCT": np.logical_and}[op]
-    else:
-        fn = {"SUM": np.add, "AVERAGE": np.add, "MIN": np.minimum, "MAX": np.maximum,
-              "PRODUCT": np.multiply}[op]
-    acc = inputs[0].copy()
-    for x in inputs[1:]:
+    floats = dtype in FLOATS
+    fn = _BOOL[op] if dtype == "bool" else _UFUNC[op]
+    values = [x.astype(np.float64) for x in inputs] if floats else inputs
+    acc = values[0].copy()
+    for x in values[1:]:
         acc = fn(acc, x)
     if op == "AVERAGE":
-        acc = acc // n
-    return acc
+        acc = acc / n if floats else acc // n
+    return acc.astype(dtype_of(dtype)) if floats else acc
 
 
 def assert_matches(got: np.ndarray, want: np.ndarray, dtype: str, what: str,
