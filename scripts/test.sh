@@ -3,5 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
-.venv/bin/ruff check src tests examples
+.venv/bin/ruff check src tests examples apps
 exec .venv/bin/python -m pytest "$@"

@@ -24,8 +24,6 @@ def _mismatch(rank: int, kind: str) -> None:
         shoal.allreduce(np.ones(5, np.float64 if odd else np.float32), name="grad")
     elif kind == "op":
         shoal.allreduce(np.ones(5, np.float32), op=shoal.Max if odd else shoal.Sum, name="grad")
-    elif kind == "name":
-        shoal.allreduce(np.ones(5, np.float32), name="other" if odd else "grad")
     elif kind == "collective":
         if odd:
             shoal.broadcast(np.ones(5, np.float32), 0, name="grad")
@@ -34,7 +32,7 @@ def _mismatch(rank: int, kind: str) -> None:
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("kind", ["shape", "dtype", "op", "name", "collective"])
+@pytest.mark.parametrize("kind", ["shape", "dtype", "op", "collective"])
 def test_mismatch_raises_on_every_rank(layout: str, kind: str) -> None:
     spec = dict(LAYOUTS[layout])
     n = spec.pop("n")
@@ -45,6 +43,50 @@ def test_mismatch_raises_on_every_rank(layout: str, kind: str) -> None:
         assert status == "err" and etype == "CollectiveMismatchError", (rank, outcome)
         assert f"ranks [{n - 1}]" in text, text  # names the odd rank out
         assert "grad" in text
+
+
+def _lonely(rank: int) -> list[str]:
+    """Rank 0 submits a tensor rank 1 never does: a warning names it and rank 1."""
+    import logging
+
+    import shoal
+    seen: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    logging.getLogger("shoal.engine").addHandler(Collect())
+    if rank == 0:
+        lonely = shoal.allreduce_async(np.ones(3), name="lonely")
+    shoal.allreduce(np.ones(3), name="common")
+    if rank == 0:
+        with pytest.raises(TimeoutError):
+            lonely.wait(timeout=2.5)
+    shoal.barrier()  # rank 1 stays until rank 0 has seen the warning
+    return seen
+
+
+def test_stalled_tensor_is_reported_by_name() -> None:
+    seen, _ = run_ranks(_lonely, 2, stall_warning_s=1.0, timeout=60)
+    assert any("'lonely'" in m and "ranks [1]" in m for m in seen), seen
+
+
+def _diverge(rank: int) -> str:
+    import shoal
+    shoal.allreduce(np.ones(4), name=f"only-on-{rank}")
+    return "completed"
+
+
+def test_stall_shutdown_fails_instead_of_hanging() -> None:
+    outcomes = run_ranks(_diverge, 3, expect_errors=True, timeout=60, stall_warning_s=0.5,
+                         stall_shutdown_s=2.0)
+    for rank, outcome in enumerate(outcomes):
+        assert outcome is not None, f"rank {rank} hung"
+        status, (etype, text) = outcome
+        assert status == "err" and etype in ("ShoalTimeoutError", "PeerLostError"), outcome
+    texts = " ".join(o[1][1] for o in outcomes)
+    assert "stalled" in texts and "only-on-" in texts
 
 
 def _after_error(rank: int) -> str:

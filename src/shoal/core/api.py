@@ -12,10 +12,10 @@ import atexit
 import json
 import logging
 import os
+import pickle
 import socket
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
@@ -23,8 +23,10 @@ import numpy as np
 from . import config, topology
 from .auth import secret_bytes
 from .comm import Communicator
+from .compression import Codec, Compression
+from .engine import Engine, Kind, Request
 from .errors import NotInitializedError
-from .ops import ReduceOp
+from .ops import ReduceOp, check_array
 from .rendezvous import StoreClient, StoreServer
 from .transport.shm import ShmGroup
 from .transport.tcp import TcpMesh
@@ -55,8 +57,8 @@ __all__ = [
 
 log = logging.getLogger("shoal")
 _lock = threading.RLock()
-_state: dict[str, Any] = {"comm": None, "store": None, "server": None, "executor": None,
-                          "generation": 0}
+_state: dict[str, Any] = {"comm": None, "engine": None, "store": None, "server": None,
+                          "generation": 0, "counter": 0}
 
 
 def _local_address(remote: str, port: int) -> str:
@@ -93,7 +95,8 @@ def init(*, rank: int | None = None, size: int | None = None, local_rank: int | 
                                secret=secret, job_id=job_id)
         if info.size == 1:
             world = topology.World.single(info.hostname)
-            _state["comm"] = Communicator(cfg, world, None, None)
+            comm = Communicator(cfg, world, None, None)
+            _state.update(comm=comm, engine=Engine(comm, cfg), counter=0)
             return
         if info.secret_is_derived:
             log.warning("SHOAL_SECRET is not set: connections are checked against a secret "
@@ -132,7 +135,8 @@ def init(*, rank: int | None = None, size: int | None = None, local_rank: int | 
                               timeout=cfg.start_timeout_s)
             shm = ShmGroup(info.job_id, world.cross_rank, world.local_rank, world.local_ranks,
                            cfg.shm_chunk_bytes, cfg.timeout_s, barrier)
-        _state["comm"] = Communicator(cfg, world, mesh, shm)
+        comm = Communicator(cfg, world, mesh, shm)
+        _state.update(comm=comm, engine=Engine(comm, cfg), counter=0)
         store.barrier(f"{gen}/ready", info.size, timeout=cfg.start_timeout_s)
 
 
@@ -140,10 +144,10 @@ def shutdown() -> None:
     """Leave the job and release sockets and shared memory. ``init()`` may be called again."""
     with _lock:
         comm, store, server = _state["comm"], _state["store"], _state["server"]
-        executor = _state["executor"]
-        _state.update(comm=None, store=None, server=None, executor=None)
-        if executor is not None:
-            executor.shutdown(wait=True)
+        engine = _state["engine"]
+        _state.update(comm=None, engine=None, store=None, server=None)
+        if engine is not None:
+            engine.close()
         if comm is not None:
             comm.close()
         if store is not None:
@@ -203,17 +207,18 @@ def cross_size() -> int:
     return communicator().world.cross_size
 
 
-def allreduce(array: np.ndarray, op: ReduceOp = ReduceOp.AVERAGE, name: str | None = None,
-              out: np.ndarray | None = None) -> np.ndarray:
-    """Combine ``array`` across all ranks (average by default); returns a new array unless
-    ``out`` is given (``out=array`` reduces in place)."""
-    return communicator().allreduce(array, op, name=name, out=out)
+def _engine() -> Engine:
+    engine = _state["engine"]
+    if engine is None:
+        raise NotInitializedError("shoal is not initialized: call shoal.init() first")
+    return engine
 
 
 class Handle:
     """The pending result of an asynchronous collective."""
 
-    def __init__(self, future: Future) -> None:
+    def __init__(self, engine: Engine, future: Future) -> None:
+        self._engine = engine
         self._future = future
 
     def done(self) -> bool:
@@ -222,59 +227,162 @@ class Handle:
 
     def wait(self, timeout: float | None = None) -> Any:
         """Block until done; return the result or raise the collective's error."""
-        try:
-            return self._future.result(timeout)
-        except FutureTimeout:
-            raise TimeoutError(f"collective still running after {timeout}s") from None
+        return self._engine.wait(self._future, timeout)
+
+
+def _auto_name(kind: str, name: str | None) -> str:
+    if name:
+        return name
+    _state["counter"] += 1
+    return f"{kind}.noname.{_state['counter']}"
+
+
+def _storage(array: np.ndarray, dtype: str) -> np.ndarray:
+    flat = array.reshape(-1)
+    return flat.view(np.uint16) if dtype == "bfloat16" else flat
+
+
+def _shape(array: np.ndarray) -> str:
+    return "(" + ", ".join(map(str, array.shape)) + ")"
+
+
+def _chain(engine: Engine, req: Request, result: Any, wake: bool) -> Handle:
+    """Submit ``req``; the handle resolves to ``result`` (the caller's own array, not the
+    flat storage view the engine works on)."""
+    req.result = result
+    return Handle(engine, engine.submit(req, wake=wake))
 
 
 def allreduce_async(array: np.ndarray, op: ReduceOp = ReduceOp.AVERAGE,
-                    name: str | None = None, out: np.ndarray | None = None) -> Handle:
-    """Start an allreduce and return a :class:`Handle` at once.
+                    name: str | None = None, out: np.ndarray | None = None,
+                    compression: Codec = Compression.none, *, _wake: bool = True) -> Handle:
+    """Start combining ``array`` across ranks; returns a :class:`Handle` at once.
 
-    Asynchronous collectives run one at a time in submission order on a background thread,
-    so every rank must submit them in the same order.
+    Requests are fused and ordered by the engine: ranks may submit them in any order, but
+    every rank must submit the same names with the same shapes, dtypes and ops.
     """
-    comm = communicator()
-    with _lock:
-        if _state["executor"] is None:
-            _state["executor"] = ThreadPoolExecutor(1, thread_name_prefix="shoal-async")
-        executor = _state["executor"]
-    return Handle(executor.submit(comm.allreduce, array, op, name=name, out=out))
+    engine = _engine()
+    op = ReduceOp(op)
+    name = _auto_name("allreduce", name)
+    dtype = check_array(array, f"allreduce tensor {name!r}", engine.rank, op)
+    if out is None:
+        out = np.empty_like(array)
+    elif out.shape != array.shape or out.dtype != array.dtype or not out.flags.c_contiguous:
+        raise ValueError(f"rank {engine.rank}: output for {name!r} must be a C-contiguous "
+                         f"{array.dtype} array of shape {array.shape}")
+    desc = (f"allreduce shape={_shape(array)} dtype={dtype} op={op.name.capitalize()} "
+            f"compression={compression.name}")
+    req = Request(Kind.ALLREDUCE, name, _storage(array, dtype), _storage(out, dtype), dtype,
+                  desc, op=op, codec=compression)
+    return _chain(engine, req, out, _wake)
+
+
+def allreduce(array: np.ndarray, op: ReduceOp = ReduceOp.AVERAGE, name: str | None = None,
+              out: np.ndarray | None = None, compression: Codec = Compression.none
+              ) -> np.ndarray:
+    """Combine ``array`` across all ranks (average by default); returns a new array unless
+    ``out`` is given (``out=array`` reduces in place)."""
+    return allreduce_async(array, op, name, out, compression, _wake=False).wait()
+
+
+def _rows_request(kind: Kind, array: np.ndarray, name: str | None, extra_of) -> Request:
+    engine = _engine()
+    name = _auto_name(kind.value, name)
+    dtype = check_array(array, f"{kind.value} tensor {name!r}", engine.rank)
+    if array.ndim == 0:
+        raise ValueError(f"rank {engine.rank}: {kind.value} tensor {name!r} is a scalar; "
+                         f"reshape it to (1,)")
+    trailing = tuple(array.shape[1:])
+    desc = f"{kind.value} shape=(*, {', '.join(map(str, trailing))}) dtype={dtype}"
+    return Request(kind, name, _storage(array, dtype), None, dtype, desc,
+                   extra=extra_of(name, engine), trailing=trailing)
 
 
 def allgather(array: np.ndarray, name: str | None = None) -> np.ndarray:
     """Concatenate every rank's array along dimension 0 (lengths may differ per rank)."""
-    return communicator().allgather(array, name=name)
-
-
-def broadcast(array: np.ndarray, root_rank: int, name: str | None = None) -> np.ndarray:
-    """Return ``root_rank``'s values on every rank (the array is overwritten in place)."""
-    return communicator().broadcast(array, root_rank, name=name)
-
-
-def reducescatter(array: np.ndarray, op: ReduceOp = ReduceOp.AVERAGE,
-                  name: str | None = None) -> np.ndarray:
-    """Reduce across ranks and return this rank's block of dimension 0."""
-    return communicator().reducescatter(array, op, name=name)
+    req = _rows_request(Kind.ALLGATHER, array, name, lambda n, e: int(array.shape[0]))
+    engine = _engine()
+    flat = engine.wait(engine.submit(req, wake=False))
+    return flat.view(array.dtype) if array.dtype != flat.dtype else flat
 
 
 def alltoall(array: np.ndarray, splits: Any = None,
              name: str | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Scatter row blocks to every rank and gather theirs; returns (data, received splits)."""
-    return communicator().alltoall(array, splits, name=name)
+    """Send ``splits[i]`` rows of ``array`` to rank ``i`` and gather what every rank sent
+    here; returns ``(data, received splits)``. Without ``splits`` the rows divide evenly."""
+    def check(name: str, engine: Engine) -> list[int]:
+        rows, n = array.shape[0], engine.size
+        if splits is None:
+            if rows % n:
+                raise ValueError(f"rank {engine.rank}: alltoall tensor {name!r} has {rows} "
+                                 f"rows, not divisible by {n} ranks; pass splits=")
+            return [rows // n] * n
+        got = [int(s) for s in splits]
+        if len(got) != n or min(got) < 0 or sum(got) != rows:
+            raise ValueError(f"rank {engine.rank}: alltoall splits {got} for {name!r} must be "
+                             f"{n} non-negative counts summing to {rows}")
+        return got
+    req = _rows_request(Kind.ALLTOALL, array, name, check)
+    engine = _engine()
+    data, recv = engine.wait(engine.submit(req, wake=False))
+    return (data.view(array.dtype) if array.dtype != data.dtype else data), recv
+
+
+def broadcast_async(array: np.ndarray, root_rank: int, name: str | None = None, *,
+                    _wake: bool = True) -> Handle:
+    """Start overwriting ``array`` with ``root_rank``'s values; returns a :class:`Handle`."""
+    engine = _engine()
+    name = _auto_name("broadcast", name)
+    dtype = check_array(array, f"broadcast tensor {name!r}", engine.rank)
+    if not 0 <= root_rank < engine.size:
+        raise ValueError(f"rank {engine.rank}: root_rank {root_rank} is not a rank of this job "
+                         f"(size {engine.size})")
+    flat = _storage(array, dtype)
+    desc = f"broadcast shape={_shape(array)} dtype={dtype} root={root_rank}"
+    req = Request(Kind.BROADCAST, name, flat, flat, dtype, desc, root=root_rank)
+    return _chain(engine, req, array, _wake)
+
+
+def broadcast(array: np.ndarray, root_rank: int, name: str | None = None) -> np.ndarray:
+    """Overwrite ``array`` with ``root_rank``'s values on every rank, in place; returns it."""
+    return broadcast_async(array, root_rank, name, _wake=False).wait()
+
+
+def reducescatter(array: np.ndarray, op: ReduceOp = ReduceOp.AVERAGE,
+                  name: str | None = None) -> np.ndarray:
+    """Reduce, then keep this rank's block of the first dimension (earlier ranks get the
+    extra rows when it does not divide evenly, as in Horovod)."""
+    engine = _engine()
+    if getattr(array, "ndim", 1) == 0:
+        raise ValueError(f"rank {engine.rank}: reducescatter needs at least one dimension")
+    total = allreduce(array, op, name=_auto_name("reducescatter", name))
+    base, extra = divmod(array.shape[0], engine.size)
+    start = engine.rank * base + min(engine.rank, extra)
+    return total[start:start + base + (engine.rank < extra)].copy()
 
 
 def barrier() -> None:
     """Wait until every rank reaches the barrier."""
-    communicator().barrier()
+    allreduce(np.zeros(1, np.int32), ReduceOp.SUM, name="shoal.barrier")
 
 
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> Any:
-    """Send a picklable object from ``root_rank`` to every rank."""
-    return communicator().broadcast_object(obj, root_rank, name=name)
+    """Send a picklable object from ``root_rank`` to every rank (peers are authenticated)."""
+    name = _auto_name("broadcast_object", name)
+    payload = np.frombuffer(pickle.dumps(obj), np.uint8) if rank() == root_rank \
+        else np.empty(0, np.uint8)
+    length = broadcast(np.array([payload.size], np.int64), root_rank, name=f"{name}.len")
+    if rank() != root_rank:
+        payload = np.empty(int(length[0]), np.uint8)
+    broadcast(payload, root_rank, name=f"{name}.data")
+    return obj if rank() == root_rank else pickle.loads(payload.tobytes())
 
 
 def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
     """Every rank's picklable object, in rank order."""
-    return communicator().allgather_object(obj, name=name)
+    name = _auto_name("allgather_object", name)
+    payload = np.frombuffer(pickle.dumps(obj), np.uint8)
+    lengths = allgather(np.array([payload.size], np.int64), name=f"{name}.len")
+    data = allgather(payload, name=f"{name}.data")
+    offsets = np.cumsum([0, *lengths.tolist()])
+    return [pickle.loads(data[offsets[r]:offsets[r + 1]].tobytes()) for r in range(size())]

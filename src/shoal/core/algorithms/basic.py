@@ -1,12 +1,19 @@
-"""The three AllReduce algorithms of the core: ``shm``, ``ring`` and ``hierarchical``."""
+"""The three AllReduce algorithms of the core: ``shm``, ``ring`` and ``hierarchical``.
+
+Each takes the fused request as lists of flat source and destination arrays of one logical
+dtype, plus the codec that converts them to the wire dtype.
+"""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Sequence
 from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ..compression import Codec, storage_dtype
 from ..ops import ReduceOp, finalize, reduce_into
 from . import register
 from .ring import ring_allreduce
@@ -15,14 +22,10 @@ if TYPE_CHECKING:
     from ..comm import Communicator
 
 
-def _reducer(op: ReduceOp, dtype: str):
-    return partial(reduce_into, op=op, dtype=dtype)
-
-
-def _finisher(op: ReduceOp, dtype: str, count: int):
+def _finisher(op: ReduceOp, wire: str, count: int):
     if op != ReduceOp.AVERAGE or count == 1:
         return None
-    return partial(finalize, op=op, count=count, dtype=dtype)
+    return partial(finalize, op=op, count=count, dtype=wire)
 
 
 def _needs_single_host_shm(comm: Communicator) -> str | None:
@@ -43,42 +46,81 @@ def _needs_hierarchy(comm: Communicator) -> str | None:
     return None
 
 
+def _pack(srcs: Sequence[np.ndarray], wire: np.dtype, codec: Codec) -> np.ndarray:
+    buf = np.empty(sum(s.size for s in srcs), wire)
+    pos = 0
+    for s in srcs:
+        codec.encode(s, buf[pos:pos + s.size])
+        pos += s.size
+    return buf
+
+
+def _unpack(buf: np.ndarray, dsts: Sequence[np.ndarray], codec: Codec) -> None:
+    pos = 0
+    for d in dsts:
+        codec.decode(buf[pos:pos + d.size], d)
+        pos += d.size
+
+
+def _ring_over(comm: Communicator, group: Sequence[int], srcs, dsts, op, dtype, codec, what):
+    wire = codec.wire_dtype(dtype)
+    reduce = partial(reduce_into, op=op, dtype=wire)
+    if len(srcs) == 1 and wire == dtype:  # reduce in the destination itself, no packing
+        buf = dsts[0]
+        if buf is not srcs[0]:
+            np.copyto(buf, srcs[0])
+    else:
+        buf = _pack(srcs, storage_dtype(wire), codec)
+    ring_allreduce(comm.mesh, group, buf, reduce, finish=_finisher(op, wire, comm.size),
+                   block_bytes=comm.cfg.tcp_chunk_bytes, what=what)
+    if buf is not dsts[0]:
+        _unpack(buf, dsts, codec)
+
+
+@functools.cache
+def _shm_plan(op: ReduceOp, dtype: str, codec: Codec, size: int) -> tuple:
+    """Per (op, dtype, codec): the wire dtype and the bound functions, built once."""
+    wire = codec.wire_dtype(dtype)
+    squeeze = wire != dtype
+    return (storage_dtype(wire), partial(reduce_into, op=op, dtype=wire),
+            codec.encode if squeeze else None, codec.decode if squeeze else None,
+            _finisher(op, wire, size))
+
+
 @register("shm", requires=_needs_single_host_shm)
-def shm_allreduce(comm: Communicator, src: np.ndarray, dst: np.ndarray, op: ReduceOp,
-                  dtype: str, what: str) -> None:
+def shm_allreduce(comm: Communicator, srcs, dsts, op: ReduceOp, dtype: str, codec: Codec,
+                  what: str, phases=None) -> None:
     """One host: reduce-scatter and allgather fused in the shared segments, chunk by chunk."""
-    comm.shm.allreduce(src, dst, _reducer(op, dtype), finish=_finisher(op, dtype, comm.size),
-                       what=what)
+    wire, reduce, encode, decode, finish = _shm_plan(op, dtype, codec, comm.size)
+    comm.shm.allreduce(srcs, dsts, wire, reduce, encode=encode, decode=decode, finish=finish,
+                       phases=phases, what=what)
 
 
 @register("ring", requires=lambda comm: None)
-def flat_ring_allreduce(comm: Communicator, src: np.ndarray, dst: np.ndarray, op: ReduceOp,
-                        dtype: str, what: str) -> None:
+def flat_ring_allreduce(comm: Communicator, srcs, dsts, op: ReduceOp, dtype: str, codec: Codec,
+                        what: str, phases=None) -> None:
     """Every rank in one TCP ring, whatever host it is on."""
-    if dst is not src:
-        np.copyto(dst, src)
-    ring_allreduce(comm.mesh, range(comm.size), dst, _reducer(op, dtype),
-                   finish=_finisher(op, dtype, comm.size),
-                   block_bytes=comm.cfg.tcp_chunk_bytes, what=what)
+    _ring_over(comm, range(comm.size), srcs, dsts, op, dtype, codec, what)
 
 
 @register("hierarchical", requires=_needs_hierarchy)
-def hierarchical_allreduce(comm: Communicator, src: np.ndarray, dst: np.ndarray, op: ReduceOp,
-                           dtype: str, what: str) -> None:
+def hierarchical_allreduce(comm: Communicator, srcs, dsts, op: ReduceOp, dtype: str,
+                           codec: Codec, what: str, phases=None) -> None:
     """Reduce-scatter on the host, ring across hosts per shard (all local ranks at once),
     allgather on the host: the SMDDP shape, every core and link busy together."""
-    reduce = _reducer(op, dtype)
     group = comm.world.cross_peers
+    if comm.shm is None:  # one rank per host: the cross ring is the whole job
+        _ring_over(comm, group, srcs, dsts, op, dtype, codec, what)
+        return
+    wire = codec.wire_dtype(dtype)
+    reduce = partial(reduce_into, op=op, dtype=wire)
 
     def cross(part: np.ndarray) -> None:
         ring_allreduce(comm.mesh, group, part, reduce, block_bytes=comm.cfg.tcp_chunk_bytes,
                        what=what)
 
-    finish = _finisher(op, dtype, comm.size)
-    if comm.shm is None:  # one rank per host: the cross ring is the whole job
-        if dst is not src:
-            np.copyto(dst, src)
-        ring_allreduce(comm.mesh, group, dst, reduce, finish=finish,
-                       block_bytes=comm.cfg.tcp_chunk_bytes, what=what)
-        return
-    comm.shm.allreduce(src, dst, reduce, cross=cross, finish=finish, what=what)
+    comm.shm.allreduce(srcs, dsts, storage_dtype(wire), reduce,
+                       encode=codec.encode if wire != dtype else None,
+                       decode=codec.decode if wire != dtype else None,
+                       cross=cross, finish=_finisher(op, wire, comm.size), phases=phases,
+                       what=what)

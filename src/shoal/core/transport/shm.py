@@ -18,8 +18,8 @@ Segments are unlinked as soon as every local rank has mapped them, so a crash le
 
 from __future__ import annotations
 
+import bisect
 import contextlib
-import hashlib
 import mmap
 import os
 import tempfile
@@ -34,10 +34,39 @@ __all__ = ["ShmGroup", "segment_dir", "segment_path"]
 
 _HEADER = 4096
 _LINE = 8  # int64 words per cache line
-_ARRIVE, _REDUCED, _PID, _ABORT, _SIG0, _SIG1 = (i * _LINE for i in range(6))
-_DESC = 1024  # byte offset of the descriptor text (read only to explain a mismatch)
-_DESC_MAX = _HEADER - _DESC - 8
+_ARRIVE, _REDUCED, _PID, _ABORT = (i * _LINE for i in range(4))
 _LIVENESS_EVERY_S = 0.02
+
+
+def _copy(src: np.ndarray, dst: np.ndarray) -> None:
+    np.copyto(dst, src)
+
+
+class _Layout:
+    """Element offsets of several flat arrays viewed as one concatenated buffer."""
+
+    def __init__(self, sizes: Sequence[int]) -> None:
+        self.starts = [0]
+        for size in sizes:
+            self.starts.append(self.starts[-1] + size)
+        self.total = self.starts[-1]
+
+    def pieces(self, a: int, b: int) -> list[tuple[int, int, int, int]]:
+        """``(array index, start, stop, global position)`` of every array overlapping [a, b)."""
+        out = []
+        i = bisect.bisect_right(self.starts, a) - 1
+        while a < b:
+            while self.starts[i + 1] <= a:
+                i += 1
+            stop = min(b, self.starts[i + 1])
+            out.append((i, a - self.starts[i], stop - self.starts[i], a))
+            a = stop
+        return out
+
+    def single(self, a: int, b: int) -> tuple[int, int] | None:
+        """``(array index, start)`` if [a, b) lies inside one array, else None."""
+        i = bisect.bisect_right(self.starts, a) - 1
+        return (i, a - self.starts[i]) if b <= self.starts[i + 1] else None
 
 
 def segment_dir() -> str:
@@ -48,12 +77,6 @@ def segment_dir() -> str:
 def segment_path(job_id: str, node: int, local_rank: int) -> str:
     """Name of a segment; shoalrun removes ``shoal-<job_id>-*`` after a crash."""
     return os.path.join(segment_dir(), f"shoal-{job_id}-n{node}-l{local_rank}")
-
-
-def signature(desc: str) -> int:
-    """64-bit digest of a collective's description (kind, name, shape, dtype, op)."""
-    return int.from_bytes(hashlib.blake2b(desc.encode(), digest_size=8).digest(), "little",
-                          signed=True)
 
 
 class ShmGroup:
@@ -97,8 +120,6 @@ class ShmGroup:
         finally:
             os.unlink(path)
         self._hdr = [np.ndarray((_HEADER // 8,), np.int64, buffer=m) for m in self._maps]
-        self._desc = [np.ndarray((_HEADER - _DESC,), np.uint8, buffer=m, offset=_DESC)
-                      for m in self._maps]
         self._slots = [[np.ndarray((self.chunk_bytes,), np.uint8, buffer=m,
                                    offset=_HEADER + s * self.chunk_bytes) for s in (0, 1)]
                        for m in self._maps]
@@ -135,8 +156,8 @@ class ShmGroup:
         for p in pending:
             if self._hdr[p][_ABORT]:
                 raise PeerLostError(
-                    f"rank {self.ranks[p]} aborted {what} after an error of its own; see its "
-                    f"log for the cause", rank=self.ranks[p])
+                    f"rank {self.ranks[p]} left the job (shut down, or gave up after an error of "
+                    f"its own: see its log) during {what}", rank=self.ranks[p])
             try:
                 os.kill(self._pids[p], 0)
             except ProcessLookupError:
@@ -153,105 +174,168 @@ class ShmGroup:
                 rank=ranks[0])
 
     def abort(self) -> None:
-        """Tell the peers this rank gave up, so they fail at once instead of timing out."""
-        self._hdr[self.me][_ABORT] = 1
+        """Tell the peers this rank left or gave up, so they fail at once, not at a timeout."""
+        if self._hdr:
+            self._hdr[self.me][_ABORT] = 1
 
-    def agree(self, desc: str, what: str) -> dict[int, str] | None:
-        """Check every local rank is about to run the same collective; one sync round.
+    def allgather_bytes(self, blob: bytes, what: str) -> list[bytes]:
+        """Every local rank's ``blob``, in local-rank order; one sync round per slot-full.
 
-        Returns None when all agree, else every local rank's description by global rank
-        (the same on every local rank, so they can all report it, or pass it on to the
-        other hosts first).
+        Used for agreement and negotiation: small, but not bounded by a header field.
         """
-        self.seq += 1
-        seq = self.seq
-        mine = self._hdr[self.me]
-        sig_slot = _SIG0 if seq % 2 == 0 else _SIG1
-        sig = signature(desc)
-        raw = desc.encode()[:_DESC_MAX]
-        text = self._desc[self.me]
-        text[:8].view(np.int64)[0] = len(raw)
-        text[8:8 + len(raw)] = np.frombuffer(raw, np.uint8)
-        mine[sig_slot] = sig
-        mine[_ARRIVE] = seq
-        self._wait(_ARRIVE, seq, what)
-        mine[_REDUCED] = seq
-        if any(self._hdr[p][sig_slot] != sig for p in self._peers):
-            return {self.ranks[p]: self._read_desc(p) for p in range(self.n)}
-        return None
+        cap = self.chunk_bytes - 8
+        if len(blob) <= cap:  # the usual case: one round
+            self.seq += 1
+            seq = self.seq
+            slots = [slot[seq % 2] for slot in self._slots]
+            mine = slots[self.me]
+            mine[:8].view(np.int64)[0] = len(blob)
+            mine[8:8 + len(blob)] = np.frombuffer(blob, np.uint8)
+            self._hdr[self.me][_ARRIVE] = seq
+            self._wait(_ARRIVE, seq, what)
+            sizes = [int(s[:8].view(np.int64)[0]) for s in slots]
+            if max(sizes) <= cap:
+                return [s[8:8 + n].tobytes() for s, n in zip(slots, sizes, strict=True)]
+            self.seq -= 1  # a peer's blob is bigger: redo it the long way, from this round
+            return self._allgather_long(blob, what, cap, resume=True)
+        return self._allgather_long(blob, what, cap, resume=False)
 
-    def _read_desc(self, p: int) -> str:
-        text = self._desc[p]
-        n = int(text[:8].view(np.int64)[0])
-        return bytes(text[8:8 + n]).decode(errors="replace")
+    def _allgather_long(self, blob: bytes, what: str, cap: int, resume: bool) -> list[bytes]:
+        out = [bytearray() for _ in range(self.n)]
+        sizes = [0] * self.n
+        offset, first = 0, True
+        while first or any(len(out[p]) < sizes[p] for p in range(self.n)):
+            self.seq += 1
+            seq = self.seq
+            slots = [slot[seq % 2] for slot in self._slots]
+            piece = blob[offset:offset + cap]
+            offset += len(piece)
+            if not resume:  # (resuming: this round's slots are already written and read)
+                slots[self.me][:8].view(np.int64)[0] = len(blob)
+                slots[self.me][8:8 + len(piece)] = np.frombuffer(piece, np.uint8)
+                self._hdr[self.me][_ARRIVE] = seq
+                self._wait(_ARRIVE, seq, what)
+            resume = False
+            for p in range(self.n):
+                if first:
+                    sizes[p] = int(slots[p][:8].view(np.int64)[0])
+                take = min(cap, sizes[p] - len(out[p]))
+                out[p] += slots[p][8:8 + take].tobytes()
+            first = False
+        return [bytes(b) for b in out]
 
     # -- data movement -------------------------------------------------------------------
     def part(self, m: int, p: int) -> tuple[int, int]:
         """Element range of chunk length ``m`` that local rank ``p`` reduces."""
         return m * p // self.n, m * (p + 1) // self.n
 
-    def allreduce(self, src: np.ndarray, dst: np.ndarray, reduce: Callable[..., None],
+    def allreduce(self, srcs: Sequence[np.ndarray], dsts: Sequence[np.ndarray],
+                  wire: np.dtype, reduce: Callable[..., None], *,
+                  encode: Callable[[np.ndarray, np.ndarray], None] | None = None,
+                  decode: Callable[[np.ndarray, np.ndarray], None] | None = None,
                   cross: Callable[[np.ndarray], None] | None = None,
                   finish: Callable[[np.ndarray], None] | None = None,
-                  what: str = "allreduce") -> None:
-        """Stream flat ``src`` through the segments into flat ``dst`` (may be the same array).
+                  phases: dict[str, float] | None = None, what: str = "allreduce") -> None:
+        """Stream the flat arrays ``srcs`` through the segments into ``dsts`` (pairwise equal
+        sizes; a pair may be the same array), as if they were one concatenated buffer.
 
-        ``reduce(dst_part, [peer parts])`` combines in place; ``cross(part)`` (hierarchical
-        algorithm) reduces this rank's part with the other nodes; ``finish(part)`` (averages)
-        runs once on the final value before the others copy it out.
+        The segments *are* the fusion buffer: tensors are packed straight into the slots and
+        unpacked straight out of them, so fusing many tensors costs no extra copy.
+        ``encode``/``decode`` convert to and from the ``wire`` dtype on the way (compression);
+        ``reduce(part, [peer parts], first=None)`` combines in place; ``cross(part)``
+        (hierarchical) reduces this rank's part with the other hosts; ``finish(part)``
+        (averages) runs once on the final value. ``phases`` accumulates seconds spent copying
+        in, reducing and copying out, for the timeline.
         """
-        itemsize = src.dtype.itemsize
-        step = self.chunk_bytes // itemsize
-        total = src.size
+        if len(srcs) == 1 and encode is None and srcs[0].size * wire.itemsize <= \
+                self.chunk_bytes and phases is None:
+            self._allreduce_small(srcs[0], dsts[0], wire, reduce, cross, finish, what)
+            return
+        layout = _Layout([s.size for s in srcs])
+        encode = encode or _copy
+        decode = decode or _copy
+        plain = encode is _copy
+        step = self.chunk_bytes // wire.itemsize
         me, n = self.me, self.n
-        for start in range(0, total, step):
-            m = min(step, total - start)
+        clock = time.perf_counter if phases is not None else None
+        for start in range(0, layout.total, step):
+            m = min(step, layout.total - start)
             self.seq += 1
             seq = self.seq
-            s = seq % 2
-            views = [slot[s][: m * itemsize].view(src.dtype) for slot in self._slots]
-            chunk = src[start:start + m]
+            views = [slot[seq % 2][: m * wire.itemsize].view(wire) for slot in self._slots]
+            mine = views[me]
             lo, hi = self.part(m, me)
-            # the peers reduce every part but ours; ours is reduced straight from ``src``
-            if lo:
-                np.copyto(views[me][:lo], chunk[:lo])
-            if hi < m:
-                np.copyto(views[me][hi:], chunk[hi:])
+            t0 = clock() if clock else 0.0
+            # the peers reduce every part but ours; ours is reduced straight from the source
+            # when it lies inside one array and needs no conversion
+            direct = layout.single(start + lo, start + hi) if plain and hi > lo else None
+            for a, b in ((0, lo), (hi, m)) if direct is not None else ((0, m),):
+                for i, alo, ahi, pos in layout.pieces(start + a, start + b):
+                    encode(srcs[i][alo:ahi], mine[pos - start:pos - start + ahi - alo])
             self._hdr[me][_ARRIVE] = seq
             self._wait(_ARRIVE, seq, what)
+            t1 = clock() if clock else 0.0
             if hi > lo:
-                mine = views[me][lo:hi]
-                reduce(mine, [views[p][lo:hi] for p in self._peers], first=chunk[lo:hi])
+                part = mine[lo:hi]
+                first = None
+                if direct is not None:
+                    i, alo = direct
+                    first = srcs[i][alo:alo + hi - lo]
+                reduce(part, [views[p][lo:hi] for p in self._peers], first=first)
                 if cross is not None:
-                    cross(mine)
+                    cross(part)
                 if finish is not None:
-                    finish(mine)
+                    finish(part)
             self._hdr[me][_REDUCED] = seq
             self._wait(_REDUCED, seq, what)
-            out = dst[start:start + m]
+            t2 = clock() if clock else 0.0
             for p in range(n):
                 plo, phi = self.part(m, p)
-                if phi > plo:
-                    np.copyto(out[plo:phi], views[p][plo:phi])
+                for i, alo, ahi, pos in layout.pieces(start + plo, start + phi):
+                    decode(views[p][pos - start:pos - start + ahi - alo], dsts[i][alo:ahi])
+            if clock:
+                t3 = clock()
+                phases["memcpy_in"] = phases.get("memcpy_in", 0.0) + t1 - t0
+                phases["reduce"] = phases.get("reduce", 0.0) + t2 - t1
+                phases["memcpy_out"] = phases.get("memcpy_out", 0.0) + t3 - t2
+
+    def _allreduce_small(self, src: np.ndarray, dst: np.ndarray, wire: np.dtype,
+                         reduce: Callable[..., None], cross: Callable[[np.ndarray], None] | None,
+                         finish: Callable[[np.ndarray], None] | None, what: str) -> None:
+        """One array that fits one slot: the same steps with the least Python per call."""
+        m = src.size
+        self.seq += 1
+        seq = self.seq
+        nbytes = m * wire.itemsize
+        views = [slot[seq % 2][:nbytes].view(wire) for slot in self._slots]
+        me = self.me
+        lo, hi = self.part(m, me)
+        mine = views[me]
+        if lo:
+            mine[:lo] = src[:lo]
+        if hi < m:
+            mine[hi:] = src[hi:]
+        self._hdr[me][_ARRIVE] = seq
+        self._wait(_ARRIVE, seq, what)
+        if hi > lo:
+            part = mine[lo:hi]
+            reduce(part, [views[p][lo:hi] for p in self._peers], first=src[lo:hi])
+            if cross is not None:
+                cross(part)
+            if finish is not None:
+                finish(part)
+        self._hdr[me][_REDUCED] = seq
+        self._wait(_REDUCED, seq, what)
+        for p in range(self.n):
+            plo, phi = self.part(m, p)
+            dst[plo:phi] = views[p][plo:phi]
 
     def close(self) -> None:
         """Unmap the segments (they were unlinked at set-up)."""
-        self._hdr = self._desc = []
+        self._hdr = []
         self._slots = []
         for m in self._maps:
             # a view may still be alive somewhere; then the mapping goes with the process
             with contextlib.suppress(BufferError):
                 m.close()
         self._maps = []
-
-
-def mismatch_message(what: str, descs: dict[int, str]) -> str:
-    """Explain which ranks disagree and how."""
-    groups: dict[str, list[int]] = {}
-    for rank, desc in sorted(descs.items()):
-        groups.setdefault(desc, []).append(rank)
-    lines = [f"ranks disagree on {what}:"]
-    lines += [f"  ranks {ranks}: {desc}" for desc, ranks in groups.items()]
-    lines.append("every rank must call the same collectives in the same order with the same "
-                 "name, shape, dtype and op")
-    return "\n".join(lines)

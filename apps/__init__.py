@@ -1,0 +1,1 @@
+"""Example training applications built on shoal's public API."""

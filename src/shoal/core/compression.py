@@ -1,0 +1,78 @@
+"""Compression codecs for the wire: ``Compression.none``, ``.fp16``, ``.bf16``.
+
+A codec is plain data plus two pure functions, applied to fusion buffers as tensors are packed
+into them and unpacked out of them (in the same pass as the copy, so compression halves the
+bytes moved and reduced rather than adding a pass). Only float32 and float64 tensors are
+compressed; other dtypes travel as they are. Reductions of 16-bit data accumulate in float32
+(:func:`shoal.core.ops.reduce_into`), so an average is rounded once, not once per rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from .ops import bf16_to_f32, f32_to_bf16
+
+__all__ = ["Codec", "Compression", "storage_dtype"]
+
+_COMPRESSIBLE = ("float32", "float64")
+
+
+def storage_dtype(logical: str) -> np.dtype:
+    """The numpy dtype that holds a logical dtype (bfloat16 lives in uint16 words)."""
+    return np.dtype(np.uint16) if logical == "bfloat16" else np.dtype(logical)
+
+
+def _copy(src: np.ndarray, dst: np.ndarray) -> None:
+    np.copyto(dst, src, casting="unsafe")
+
+
+def _to_bf16(src: np.ndarray, dst: np.ndarray) -> None:
+    f32_to_bf16(src if src.dtype == np.float32 else src.astype(np.float32), dst)
+
+
+def _from_bf16(src: np.ndarray, dst: np.ndarray) -> None:
+    if dst.dtype == np.float32:
+        bf16_to_f32(src, dst)
+    else:
+        np.copyto(dst, bf16_to_f32(src))
+
+
+@dataclass(frozen=True)
+class Codec:
+    """How a dtype travels: its wire dtype and the functions that convert to and from it."""
+
+    name: str
+    wire: str | None  # logical wire dtype for compressible inputs; None: unchanged
+    encode: Callable[[np.ndarray, np.ndarray], None] = _copy
+    decode: Callable[[np.ndarray, np.ndarray], None] = _copy
+
+    def wire_dtype(self, dtype: str) -> str:
+        """The logical dtype a tensor of ``dtype`` travels as."""
+        return self.wire if self.wire and dtype in _COMPRESSIBLE else dtype
+
+    def applies(self, dtype: str) -> bool:
+        """Whether this codec changes tensors of ``dtype``."""
+        return self.wire_dtype(dtype) != dtype
+
+    def __repr__(self) -> str:
+        return f"Compression.{self.name}"
+
+
+class Compression:
+    """Horovod's names: ``Compression.none``, ``Compression.fp16``; plus ``bf16``."""
+
+    none = Codec("none", None)
+    fp16 = Codec("fp16", "float16")
+    bf16 = Codec("bf16", "bfloat16", _to_bf16, _from_bf16)
+
+    @classmethod
+    def by_name(cls, name: str) -> Codec:
+        """``"fp16"`` -> ``Compression.fp16``; a clear error for anything else."""
+        codec = {"none": cls.none, "fp16": cls.fp16, "bf16": cls.bf16}.get(str(name).lower())
+        if codec is None:
+            raise ValueError(f"unknown compression {name!r}; use none, fp16 or bf16")
+        return codec

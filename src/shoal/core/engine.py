@@ -1,0 +1,394 @@
+"""The background engine: named requests in, fused and ordered collectives out.
+
+Framework hooks and the API ``submit`` requests and get a future back at once. Progress is
+made in *rounds*, each a collective of its own: every rank proposes what it has pending, all
+ranks see every proposal (:meth:`Communicator.gather_all`: one shared-memory round on a host,
+one small TCP exchange across hosts), and all compute the same answer: which requests are
+ready on every rank, in which order, fused into which buffers. So ranks may submit in
+different orders and still agree, and disagreement (same name, other shape, dtype or op) is a
+:class:`CollectiveMismatchError` on every rank.
+
+A name is negotiated in full (name and description) only the first time; afterwards it has a
+cache id, identical on every rank, and is proposed as one bit. In steady state a training
+step's whole control traffic is one bit per gradient riding in the round that starts the
+collectives (the rounds are paid anyway to synchronise the shared-memory path).
+
+Rounds run on the background thread (so communication overlaps the caller's computation)
+or, for synchronous calls, on the caller's own thread when it is free: no thread hand-off on
+the latency path. A request missing on some ranks for ``SHOAL_STALL_WARNING_S`` is reported
+with its name and those ranks; with ``SHOAL_STALL_SHUTDOWN_S`` it then fails.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import struct
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .comm import Communicator
+from .compression import Codec, Compression
+from .config import Config
+from .errors import CollectiveMismatchError, ShoalError, ShoalTimeoutError
+from .ops import ReduceOp
+from .timeline import Timeline
+
+__all__ = ["Engine", "Kind", "Request", "mismatch_message"]
+
+log = logging.getLogger("shoal.engine")
+_HEAD = struct.Struct("!qq")  # bit-vector bytes, cache size
+
+
+class Kind(enum.Enum):
+    """What a request does."""
+
+    ALLREDUCE = "allreduce"
+    ALLGATHER = "allgather"
+    BROADCAST = "broadcast"
+    ALLTOALL = "alltoall"
+
+
+_PER_CALL = (Kind.ALLGATHER, Kind.ALLTOALL)  # carry per-rank sizes every time
+
+
+@dataclass(eq=False)
+class Request:
+    """One named collective submitted by this rank."""
+
+    kind: Kind
+    name: str
+    array: np.ndarray            # flat storage view of the input
+    out: np.ndarray | None       # flat storage view of the output (allreduce, broadcast)
+    dtype: str                   # logical dtype
+    desc: str                    # what every rank must agree on
+    op: ReduceOp = ReduceOp.AVERAGE
+    codec: Codec = Compression.none
+    root: int = 0
+    extra: Any = None            # allgather: my rows; alltoall: my splits
+    trailing: tuple[int, ...] = ()
+    result: Any = None           # what the future resolves to (default: ``out``)
+    future: Future = field(default_factory=Future)
+    enqueued: float = field(default_factory=time.perf_counter)
+    warned: bool = False
+    missing: tuple[int, ...] = ()
+
+
+def mismatch_message(what: str, descs: dict[int, str]) -> str:
+    """Explain which ranks disagree and how."""
+    groups: dict[str, list[int]] = {}
+    for rank, desc in sorted(descs.items()):
+        groups.setdefault(desc, []).append(rank)
+    lines = [f"ranks disagree on {what}:"]
+    lines += [f"  ranks {ranks}: {desc}" for desc, ranks in groups.items()]
+    lines.append("every rank must submit collectives with the same name, shape, dtype and op")
+    return "\n".join(lines)
+
+
+class Engine:
+    """Negotiates, orders, fuses and runs this process's collectives."""
+
+    def __init__(self, comm: Communicator, cfg: Config) -> None:
+        self.comm = comm
+        self.cfg = cfg
+        self.rank = comm.rank
+        self.size = comm.size
+        self.timeline = Timeline(cfg.timeline, self.rank) if cfg.timeline and (
+            self.rank == 0 or "{rank}" in cfg.timeline) else None
+        self._cv = threading.Condition()
+        self._pending: dict[str, Request] = {}
+        self._cache: dict[str, tuple[int, str]] = {}  # name -> (id, desc), same on all ranks
+        self._by_id: list[str] = []
+        self._run = threading.Lock()
+        self._broken: BaseException | None = None
+        self._stopping = False
+        self._buffers = 0
+        self.rounds = 0
+        self._thread = threading.Thread(target=self._loop, name="shoal-engine", daemon=True)
+        self._thread.start()
+
+    # -- submission ------------------------------------------------------------------------
+    def submit(self, req: Request, wake: bool = True) -> Future:
+        """Queue a request; its future completes with the output (or the error).
+
+        ``wake=False`` (a caller about to :meth:`wait` on it) leaves the background thread
+        asleep, so the caller runs the round itself without a thread hand-off.
+        """
+        with self._cv:
+            self._check_usable()
+            if req.name in self._pending:
+                raise ValueError(f"rank {self.rank}: a collective named {req.name!r} is already "
+                                 f"in flight; wait for it or use another name")
+            self._pending[req.name] = req
+            if wake:
+                self._cv.notify()
+        return req.future
+
+    def _check_usable(self) -> None:
+        if self._broken is not None:
+            raise ShoalError(f"rank {self.rank}: shoal cannot run collectives after an earlier "
+                             f"failure ({type(self._broken).__name__}: {self._broken}); call "
+                             f"shoal.shutdown() and shoal.init() to start again")
+        if self._stopping:
+            raise ShoalError(f"rank {self.rank}: shoal is shutting down")
+
+    def wait(self, future: Future, timeout: float | None = None) -> Any:
+        """Drive rounds on this thread while it is free, until ``future`` is done."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not future.done():
+            if self._run.acquire(blocking=False):
+                try:
+                    if not future.done() and self._broken is None:
+                        self._round()
+                except BaseException as exc:  # recorded; every future fails with it
+                    self._fail(exc)
+                finally:
+                    self._run.release()
+            else:
+                try:
+                    future.exception(timeout=0.002)
+                except TimeoutError:
+                    self._check_stalls()
+            if deadline is not None and time.monotonic() > deadline and not future.done():
+                raise TimeoutError(f"rank {self.rank}: collective still running after "
+                                   f"{timeout}s")
+        return future.result()
+
+    # -- background thread -----------------------------------------------------------------
+    def _loop(self) -> None:
+        cycle = self.cfg.cycle_time_ms / 1000.0
+        while True:
+            with self._cv:
+                while not self._pending and not self._stopping:
+                    self._cv.wait(1.0)
+                if self._stopping:
+                    return
+            time.sleep(cycle)  # let more tensors arrive, to fuse them
+            if not self._run.acquire(timeout=1.0):
+                self._check_stalls()
+                continue
+            try:
+                if self._pending and self._broken is None:
+                    progressed = self._round()
+                    if not progressed:
+                        self._check_stalls()
+            except BaseException as exc:
+                self._fail(exc)
+            finally:
+                self._run.release()
+            if self._broken is not None:
+                return
+
+    def _fail(self, exc: BaseException) -> None:
+        if self._broken is None:
+            self._broken = exc
+            if not self._stopping:
+                log.error("rank %d: collective failed: %s", self.rank, exc)
+        self.comm.abort()
+        with self._cv:
+            pending, self._pending = list(self._pending.values()), {}
+        for req in pending:
+            if not req.future.done():
+                req.future.set_exception(exc)
+
+    def close(self) -> None:
+        """Stop the thread; pending requests fail; peers waiting on us fail at once."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        self.comm.abort()
+        self._thread.join(timeout=5.0)
+        with self._cv:
+            pending, self._pending = list(self._pending.values()), {}
+        for req in pending:
+            if not req.future.done():
+                req.future.set_exception(ShoalError(
+                    f"rank {self.rank}: shoal was shut down with {req.name!r} still pending"))
+        if self.timeline is not None:
+            self.timeline.close()
+
+    # -- one round -------------------------------------------------------------------------
+    def _proposal(self, reqs: Sequence[Request]) -> bytes:
+        bits = np.zeros(len(self._by_id), bool)
+        new = []
+        for req in reqs:
+            cached = self._cache.get(req.name)
+            if cached is not None and cached[1] == req.desc and req.kind not in _PER_CALL:
+                bits[cached[0]] = True
+            else:
+                new.append([req.name, req.desc, req.extra])
+        packed = np.packbits(bits).tobytes()
+        tail = json.dumps(new).encode() if new else b"[]"
+        return _HEAD.pack(len(packed), len(self._by_id)) + packed + tail
+
+    def _round(self) -> bool:
+        """One negotiation round and the collectives it agrees on; True if any ran."""
+        with self._cv:
+            reqs = list(self._pending.values())
+        t0 = time.perf_counter()
+        blobs = self.comm.gather_all(self._proposal(reqs), "negotiation round")
+        self.rounds += 1
+        t1 = time.perf_counter()
+        order, extras = self._decide(blobs, reqs)
+        mine = {r.name: r for r in reqs}
+        runnable = [mine[name] for name in order]
+        with self._cv:
+            for req in runnable:
+                del self._pending[req.name]
+        self._execute(runnable, extras, t0, t1)
+        return bool(runnable)
+
+    def _decide(self, blobs: list[bytes], reqs: Sequence[Request]) -> tuple[list[str], dict]:
+        """From every rank's proposal: the names to run now, in order (same on all ranks).
+
+        Cached names are handled as bit vectors (vectorised AND), so the steady-state cost
+        does not grow with the number of tensors in Python; only new or changed names are
+        compared one by one.
+        """
+        n_cached = len(self._by_id)
+        if blobs[0].endswith(b"]") and blobs[0][-2:] == b"[]" and blobs.count(blobs[0]) == \
+                len(blobs):  # steady state: every rank proposes the same cached set
+            nbytes, _ = _HEAD.unpack_from(blobs[0])
+            mask = np.unpackbits(np.frombuffer(blobs[0], np.uint8, nbytes, _HEAD.size),
+                                 count=n_cached)
+            return [self._by_id[i] for i in np.flatnonzero(mask)], {}
+        bits = np.zeros((self.size, n_cached), bool)
+        present: dict[str, dict[int, str]] = {}
+        extras: dict[str, dict[int, Any]] = {}
+        for rank, blob in enumerate(blobs):
+            nbytes, size = _HEAD.unpack_from(blob)
+            if size != n_cached:
+                raise ShoalError(f"rank {self.rank}: negotiation cache out of step with rank "
+                                 f"{rank} ({size} vs {n_cached} entries); this is a bug")
+            if n_cached:
+                bits[rank] = np.unpackbits(np.frombuffer(blob, np.uint8, nbytes, _HEAD.size),
+                                           count=n_cached).astype(bool)
+            tail = blob[_HEAD.size + nbytes:]
+            if tail != b"[]":
+                for name, desc, extra in json.loads(tail):
+                    present.setdefault(name, {})[rank] = desc
+                    extras.setdefault(name, {})[rank] = extra
+        ready = [self._by_id[i] for i in np.flatnonzero(bits.all(axis=0))] if n_cached else []
+        fresh = []
+        for name, descs in present.items():
+            cached = self._cache.get(name)
+            if cached is not None:  # proposed as a bit by the ranks whose desc is unchanged
+                for r in np.flatnonzero(bits[:, cached[0]]):
+                    descs[int(r)] = cached[1]
+            if len(descs) < self.size:
+                continue
+            if len(set(descs.values())) > 1:
+                raise CollectiveMismatchError(mismatch_message(repr(name), descs), descs)
+            if cached is None:
+                fresh.append(name)
+            else:
+                ready.append(name)
+                self._cache[name] = (cached[0], descs[0])  # every rank changed it: adopt
+        for name in sorted(fresh):
+            self._cache[name] = (len(self._by_id), present[name][0])
+            self._by_id.append(name)
+        ready += fresh
+        runnable = set(ready)
+        for req in reqs:
+            if req.name not in runnable:
+                descs = present.get(req.name, {})
+                idx = self._cache.get(req.name, (None,))[0]
+                req.missing = tuple(r for r in range(self.size) if r not in descs and not (
+                    idx is not None and idx < n_cached and bits[r, idx]))
+        return sorted(ready, key=lambda nm: self._cache[nm][0]), extras
+
+    # -- execution -------------------------------------------------------------------------
+    def _execute(self, reqs: Sequence[Request], extras: dict, t0: float, t1: float) -> None:
+        threshold = self.cfg.fusion_threshold
+        buckets: dict[tuple, list[Request]] = {}
+        sizes: dict[tuple, int] = {}
+        for req in reqs:
+            if req.kind is not Kind.ALLREDUCE:
+                self._run_single(req, extras.get(req.name, {}), t0, t1)
+                continue
+            key = (req.dtype, req.op, req.codec.name)
+            if key in buckets and sizes[key] + req.array.nbytes > threshold:
+                self._run_fused(buckets.pop(key), t0, t1)
+            buckets.setdefault(key, []).append(req)
+            sizes[key] = sizes.get(key, 0) * (len(buckets[key]) > 1) + req.array.nbytes
+        for bucket in buckets.values():
+            self._run_fused(bucket, t0, t1)
+
+    def _run_fused(self, bucket: list[Request], t0: float, t1: float) -> None:
+        first = bucket[0]
+        self._buffers += 1
+        what = f"allreduce of {first.name!r}" + (f" and {len(bucket) - 1} more fused"
+                                                 if len(bucket) > 1 else "")
+        phases: dict[str, float] | None = {} if self.timeline else None
+        start = time.perf_counter()
+        self.comm.allreduce([r.array for r in bucket], [r.out for r in bucket], first.op,
+                            first.dtype, first.codec, what, phases)
+        end = time.perf_counter()
+        for req in bucket:
+            req.future.set_result(req.out if req.result is None else req.result)
+        if self.timeline is not None:
+            nbytes = sum(r.array.nbytes for r in bucket)
+            for req in bucket:
+                self._trace(req, t0, t1, start, end, phases, fusion_buffer=self._buffers,
+                            tensors=len(bucket), bytes=nbytes)
+            self.timeline.span("fusion buffers", "ALLREDUCE", start, end,
+                               buffer=self._buffers, tensors=[r.name for r in bucket],
+                               bytes=nbytes)
+
+    def _run_single(self, req: Request, extra: dict[int, Any], t0: float, t1: float) -> None:
+        what = f"{req.kind.value} of {req.name!r}"
+        start = time.perf_counter()
+        comm = self.comm
+        if req.kind is Kind.BROADCAST:
+            if req.out is not req.array:
+                np.copyto(req.out, req.array)
+            comm.broadcast(req.out, req.root, what)
+            result: Any = req.out if req.result is None else req.result
+        elif req.kind is Kind.ALLGATHER:
+            rows = [int(extra[r]) for r in range(self.size)]
+            out = np.empty((sum(rows), *req.trailing), req.array.dtype)
+            comm.allgather(req.array.reshape(-1, *req.trailing), rows, out, what)
+            result = out
+        else:  # ALLTOALL
+            recv = [int(extra[r][self.rank]) for r in range(self.size)]
+            out = np.empty((sum(recv), *req.trailing), req.array.dtype)
+            comm.alltoall(req.array.reshape(-1, *req.trailing), req.extra, recv, out, what)
+            result = (out, np.asarray(recv, np.int64))
+        req.future.set_result(result)
+        if self.timeline is not None:
+            self._trace(req, t0, t1, start, time.perf_counter(), {})
+
+    def _trace(self, req: Request, t0: float, t1: float, start: float, end: float,
+               phases: dict[str, float] | None, **args: Any) -> None:
+        tl = self.timeline
+        tl.span(req.name, "QUEUE", req.enqueued, max(req.enqueued, t0))
+        tl.span(req.name, "NEGOTIATE", t0, t1, round=self.rounds)
+        tl.collective(req.name, start, end, phases or {}, kind=req.kind.value, **args)
+
+    # -- stalls ----------------------------------------------------------------------------
+    def _check_stalls(self) -> None:
+        warn, fail = self.cfg.stall_warning_s, self.cfg.stall_shutdown_s
+        now = time.perf_counter()
+        with self._cv:
+            reqs = list(self._pending.values())
+        for req in reqs:
+            age = now - req.enqueued
+            if age > warn and not req.warned:
+                req.warned = True
+                who = f"ranks {list(req.missing)} have not submitted it" if req.missing else \
+                    "the negotiation round has not completed (some rank submitted nothing)"
+                log.warning("rank %d: %s %r has waited %.1fs: %s (stalled or diverged ranks; "
+                            "every rank must submit the same collectives)", self.rank,
+                            req.kind.value, req.name, age, who)
+            if fail and age > fail:
+                self._fail(ShoalTimeoutError(
+                    f"rank {self.rank}: {req.kind.value} {req.name!r} stalled for {age:.1f}s "
+                    f"(SHOAL_STALL_SHUTDOWN_S={fail:g}); missing on ranks {list(req.missing)}"))
+                return

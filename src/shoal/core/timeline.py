@@ -1,0 +1,84 @@
+"""Chrome-trace timeline (``SHOAL_TIMELINE=path.json``), viewable in Perfetto or
+chrome://tracing.
+
+One track per tensor shows its phases: ``QUEUE`` (submitted, waiting for a negotiation round),
+``NEGOTIATE`` (the round that found it ready on every rank), then the collective itself with
+``MEMCPY_IN``, ``REDUCE`` and ``MEMCPY_OUT`` and, in its arguments, the fusion buffer it went
+into. The shared-memory path interleaves those phases chunk by chunk; the timeline shows each
+phase's total time, back to back, inside the collective's span. A ``fusion buffers`` track
+shows every fused collective once.
+
+Events are written as they happen (the JSON array format, which both viewers accept even if
+the process dies before closing it); ``close()`` completes the JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from typing import IO, Any
+
+__all__ = ["Timeline"]
+
+
+class Timeline:
+    """Append-only Chrome trace writer, safe to call from several threads."""
+
+    def __init__(self, path: str, rank: int) -> None:
+        self.path = path.replace("{rank}", str(rank))
+        self.rank = rank
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        self._file: IO[str] | None = open(self.path, "w")  # noqa: SIM115 (lives until close)
+        self._file.write("[\n")
+        self._lock = threading.Lock()
+        self._tids: dict[str, int] = {}
+        self._t0 = time.perf_counter()
+        self._first = True
+        self._emit({"name": "process_name", "ph": "M", "pid": rank,
+                    "args": {"name": f"rank {rank}"}})
+
+    def _us(self, t: float) -> float:
+        return round((t - self._t0) * 1e6, 3)
+
+    def _emit(self, event: dict[str, Any]) -> None:
+        if self._file is None:
+            return
+        text = json.dumps(event)
+        self._file.write(text if self._first else ",\n" + text)
+        self._first = False
+
+    def _tid(self, track: str) -> int:
+        tid = self._tids.get(track)
+        if tid is None:
+            tid = self._tids[track] = len(self._tids) + 1
+            self._emit({"name": "thread_name", "ph": "M", "pid": self.rank, "tid": tid,
+                        "args": {"name": track}})
+        return tid
+
+    def span(self, track: str, name: str, start: float, end: float, **args: Any) -> None:
+        """A complete event on ``track`` from ``start`` to ``end`` (perf_counter seconds)."""
+        with self._lock:
+            self._emit({"name": name, "ph": "X", "pid": self.rank, "tid": self._tid(track),
+                        "ts": self._us(start), "dur": max(0.0, self._us(end) - self._us(start)),
+                        "args": args})
+
+    def collective(self, track: str, start: float, end: float, phases: dict[str, float],
+                   **args: Any) -> None:
+        """The collective's span plus its phases' totals laid back to back inside it."""
+        self.span(track, "ALLREDUCE" if "fusion_buffer" in args else "COLLECTIVE", start, end,
+                  **args)
+        t = start
+        for phase in ("memcpy_in", "reduce", "memcpy_out"):
+            if phase in phases:
+                self.span(track, phase.upper(), t, t + phases[phase])
+                t += phases[phase]
+
+    def close(self) -> None:
+        """Finish the JSON array and close the file."""
+        with self._lock:
+            if self._file is not None:
+                self._file.write("\n]\n")
+                self._file.close()
+                self._file = None
