@@ -83,7 +83,7 @@ def test_stall_shutdown_fails_instead_of_hanging() -> None:
                          stall_shutdown_s=2.0)
     for rank, outcome in enumerate(outcomes):
         assert outcome is not None, f"rank {rank} hung"
-        status, (etype, text) = outcome
+        status, (etype, _text) = outcome
         assert status == "err" and etype in ("ShoalTimeoutError", "PeerLostError"), outcome
     texts = " ".join(o[1][1] for o in outcomes)
     assert "stalled" in texts and "only-on-" in texts
