@@ -255,3 +255,12 @@ def test_backward_reaches_every_parameter(b0: EfficientNet) -> None:
     assert b0.stem[0].weight.grad.abs().sum() > 0 and b0.classifier.weight.grad.abs().sum() > 0
     b0.zero_grad(set_to_none=True)
     b0.eval()
+
+
+def test_bench_presets_are_the_applications_shapes() -> None:
+    """shoal.bench ships EfficientNet shapes as data (it may not import the app)."""
+    from shoal.bench.models import MODELS
+    from shoal.bench.models import param_shapes as preset
+
+    for arch in MODELS:
+        assert preset(arch) == [(n, tuple(s)) for n, s in param_shapes(arch)]

@@ -7,6 +7,7 @@ import zlib
 
 import numpy as np
 import pytest
+
 from harness import run_ranks
 from reference import BF16, assert_matches, rank_input, reference
 
@@ -80,7 +81,7 @@ def _fusion(rank: int) -> tuple[int, int]:
 
 def test_ready_tensors_are_fused() -> None:
     """50 tensors submitted together travel in a few fused buffers, not 50 collectives."""
-    (buffers, rounds), _ = run_ranks(_fusion, 2, cycle_time_ms=20)
+    (buffers, _rounds), _ = run_ranks(_fusion, 2, cycle_time_ms=20)
     assert 1 <= buffers <= 5, buffers
 
 

@@ -15,9 +15,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     bench = sub.add_parser("bench", help="measure shoal against its peers")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    from .bench import allreduce
+    from .bench import allreduce, exchange
     allreduce.add_arguments(bench_sub.add_parser(
         "allreduce", help="float32 allreduce, shoal vs torch gloo vs memcpy"))
+    exchange.add_arguments(bench_sub.add_parser(
+        "exchange", help="a real model's gradient exchange, shoal vs gloo"))
     sub.add_parser("config", help="list every SHOAL_* setting with its default")
     args = parser.parse_args(argv)
     if args.command == "config":
@@ -26,6 +28,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.bench == "allreduce":
         return allreduce.run(args)
+    if args.bench == "exchange":
+        return exchange.run(args)
     return 2  # pragma: no cover
 
 

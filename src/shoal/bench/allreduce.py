@@ -14,18 +14,15 @@ per rank, as nccl-tests reports it.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from .stats import human_bytes, parse_size, stats
+from .common import alternate, init_gloo, run_job, worst_over_ranks, write_results
+from .stats import human_bytes, parse_size
 
 __all__ = ["add_arguments", "format_table", "run", "worker_main"]
 
@@ -47,26 +44,6 @@ def _reps(nbytes: int) -> int:
     return max(1, min(200, (4 << 20) // max(nbytes, 1)))
 
 
-def _methods(peers: Sequence[str]) -> tuple[dict[str, Callable[[np.ndarray, Any], Any]],
-                                            dict[str, str]]:
-    import shoal
-    methods: dict[str, Callable[[np.ndarray, Any], Any]] = {
-        "shoal": lambda x, state: shoal.allreduce(x, op=shoal.Sum, name="bench", out=state),
-    }
-    missing: dict[str, str] = {}
-    if "gloo" in peers:
-        try:
-            import torch
-            import torch.distributed as dist
-        except ImportError:
-            missing["gloo"] = "torch is not installed (pip install 'shoal[torch]')"
-        else:
-            torch.set_num_threads(1)
-            dist.init_process_group("gloo", init_method="env://")
-            methods["gloo"] = lambda x, t: dist.all_reduce(t)
-    return methods, missing
-
-
 def worker_main(argv: Sequence[str]) -> None:
     """Runs inside every rank of the job (started by shoalrun)."""
     p = argparse.ArgumentParser()
@@ -77,49 +54,46 @@ def worker_main(argv: Sequence[str]) -> None:
     args = p.parse_args(argv)
     import shoal
     shoal.init()
-    methods, missing = _methods([s for s in args.peers.split(",") if s])
+    gloo = init_gloo() if "gloo" in args.peers.split(",") else None
+    missing = {"gloo": "torch is not installed (pip install 'shoal[torch]')"} \
+        if "gloo" in args.peers.split(",") and gloo is None else {}
     rng = np.random.default_rng(shoal.rank())
-    times: dict[str, dict[int, list[float]]] = {m: {} for m in [*methods, "memcpy"]}
     sizes = [parse_size(s) for s in args.sizes.split(",")]
+    times: dict[int, dict[str, list[float]]] = {}
     for nbytes in sizes:
         x = rng.standard_normal(nbytes // 4).astype(np.float32)
-        state: dict[str, Any] = {"shoal": np.empty_like(x), "memcpy": np.empty_like(x)}
-        if "gloo" in methods:
-            import torch
-            state["gloo"] = torch.from_numpy(x.copy())
-        reps = _reps(nbytes)
-        names = list(methods)
-        for name in names:  # warm up: connections, page faults, caches
-            methods[name](x, state[name])
-        for trial in range(args.trials):
-            for name in names[trial % len(names):] + names[:trial % len(names)]:
-                shoal.barrier()
-                t0 = time.perf_counter()
-                for _ in range(reps):
-                    methods[name](x, state[name])
-                times[name].setdefault(nbytes, []).append((time.perf_counter() - t0) / reps)
+        out = np.empty_like(x)
+        methods = {"shoal": lambda x=x, out=out: shoal.allreduce(x, op=shoal.Sum, name="bench",
+                                                                  out=out)}
+        if gloo is not None:
+            torch, dist = gloo
+            t = torch.from_numpy(x.copy())
+            methods["gloo"] = lambda t=t, dist=dist: dist.all_reduce(t)
+        times[nbytes] = alternate(methods, args.trials, _reps(nbytes), shoal.barrier)
+        floor = []  # one process, one pass over memory, while the others wait
+        for _ in range(args.trials):
             shoal.barrier()
-            if shoal.rank() == 0:  # the floor: one process, one pass over memory
+            if shoal.rank() == 0:
                 t0 = time.perf_counter()
-                for _ in range(reps):
-                    np.copyto(state["memcpy"], x)
-                times["memcpy"].setdefault(nbytes, []).append((time.perf_counter() - t0) / reps)
+                for _ in range(_reps(nbytes)):
+                    np.copyto(out, x)
+                floor.append((time.perf_counter() - t0) / _reps(nbytes))
+        times[nbytes]["memcpy"] = floor
     everyone = shoal.allgather_object(times)
     if shoal.rank() == 0:
         n = shoal.size()
-        result: dict[str, Any] = {"np": n, "missing": missing, "sizes": sizes, "methods": {}}
-        for name in times:
+        result: dict[str, Any] = {"np": n, "missing": missing, "sizes": sizes, "methods": {},
+                                  "algorithm": shoal.communicator().algorithm}
+        for name in times[sizes[0]]:
             per_size = {}
             for nbytes in sizes:
-                ranks = [t[name][nbytes] for t in everyone if nbytes in t[name]]
-                worst = np.max(np.asarray(ranks), axis=0)
-                s = stats(worst)
+                s = worst_over_ranks([t[nbytes][name] for t in everyone if t[nbytes][name]])
                 s["algbw_GBps"] = nbytes / s["min"] / 1e9
                 s["busbw_GBps"] = s["algbw_GBps"] * 2 * (n - 1) / n
                 per_size[str(nbytes)] = s
             result["methods"][name] = per_size
-        result["algorithm"] = shoal.communicator().algorithm
         with open(args.json, "w") as f:
+            import json
             json.dump(result, f)
     shoal.shutdown()
 
@@ -154,23 +128,15 @@ def run(args: argparse.Namespace) -> int:
     """Driver: one shoalrun job per world size; print the tables and write the JSON file."""
     results = []
     for n in args.np:
-        with tempfile.TemporaryDirectory() as tmp:
-            out = os.path.join(tmp, "result.json")
-            cmd = [sys.executable, "-m", "shoal.runner", "-np", str(n), sys.executable, "-m",
-                   "shoal.bench.allreduce", "--sizes", args.sizes, "--trials", str(args.trials),
-                   "--peers", args.peers, "--json", out]
-            proc = subprocess.run(cmd, timeout=args.timeout, check=False)
-            if proc.returncode != 0:
-                print(f"shoal bench allreduce: the np={n} job failed (exit {proc.returncode})",
-                      file=sys.stderr)
-                return proc.returncode
-            with open(out) as f:
-                results.append(json.load(f))
+        try:
+            results.append(run_job(n, "shoal.bench.allreduce",
+                                   ["--sizes", args.sizes, "--trials", str(args.trials),
+                                    "--peers", args.peers], args.timeout))
+        except RuntimeError as exc:
+            print(f"shoal bench allreduce: {exc}", file=sys.stderr)
+            return 1
         print(format_table(results[-1]), flush=True)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"command": " ".join(sys.argv), "results": results}, f, indent=1)
-    print(f"results written to {args.out}")
+    write_results(args.out, {"results": results})
     return 0
 
 

@@ -255,16 +255,19 @@ def _chain(engine: Engine, req: Request, result: Any, wake: bool) -> Handle:
 
 def allreduce_async(array: np.ndarray, op: ReduceOp = ReduceOp.AVERAGE,
                     name: str | None = None, out: np.ndarray | None = None,
-                    compression: Codec = Compression.none, *, _wake: bool = True) -> Handle:
+                    compression: Codec = Compression.none, *, bf16: bool = False,
+                    _wake: bool = True) -> Handle:
     """Start combining ``array`` across ranks; returns a :class:`Handle` at once.
 
     Requests are fused and ordered by the engine: ranks may submit them in any order, but
-    every rank must submit the same names with the same shapes, dtypes and ops.
+    every rank must submit the same names with the same shapes, dtypes and ops. ``bf16=True``
+    marks a 16-bit integer array as holding bfloat16 words (how adapters hand over bfloat16
+    tensors when ``ml_dtypes`` is not installed).
     """
     engine = _engine()
     op = ReduceOp(op)
     name = _auto_name("allreduce", name)
-    dtype = check_array(array, f"allreduce tensor {name!r}", engine.rank, op)
+    dtype = check_array(array, f"allreduce tensor {name!r}", engine.rank, op, bf16)
     if out is None:
         out = np.empty_like(array)
     elif out.shape != array.shape or out.dtype != array.dtype or not out.flags.c_contiguous:
@@ -278,11 +281,11 @@ def allreduce_async(array: np.ndarray, op: ReduceOp = ReduceOp.AVERAGE,
 
 
 def allreduce(array: np.ndarray, op: ReduceOp = ReduceOp.AVERAGE, name: str | None = None,
-              out: np.ndarray | None = None, compression: Codec = Compression.none
-              ) -> np.ndarray:
+              out: np.ndarray | None = None, compression: Codec = Compression.none, *,
+              bf16: bool = False) -> np.ndarray:
     """Combine ``array`` across all ranks (average by default); returns a new array unless
     ``out`` is given (``out=array`` reduces in place)."""
-    return allreduce_async(array, op, name, out, compression, _wake=False).wait()
+    return allreduce_async(array, op, name, out, compression, bf16=bf16, _wake=False).wait()
 
 
 def _rows_request(kind: Kind, array: np.ndarray, name: str | None, extra_of) -> Request:

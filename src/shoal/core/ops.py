@@ -57,9 +57,14 @@ SUPPORTED_DTYPES = (
 _HALF = ("float16", "bfloat16")
 
 
+_NAMES: dict[np.dtype, str] = {}
+
+
 def logical_dtype(array: np.ndarray, bf16: bool = False) -> str:
     """The dtype name shoal reasons about (``bfloat16`` for tagged ``uint16`` arrays)."""
-    name = array.dtype.name
+    name = _NAMES.get(array.dtype)
+    if name is None:  # numpy's dtype.name is slow enough to matter per tensor
+        name = _NAMES[array.dtype] = array.dtype.name
     if bf16:
         if name not in ("uint16", "int16", "bfloat16"):
             raise TypeError(f"an array tagged bfloat16 must hold 16-bit words, not {name}")

@@ -1,0 +1,79 @@
+"""Plumbing shared by the benchmarks: start a job, alternate methods, summarise across ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from .stats import stats
+
+__all__ = ["alternate", "init_gloo", "run_job", "worst_over_ranks", "write_results"]
+
+
+def run_job(np_: int, module: str, args: Sequence[str], timeout: float,
+            launcher_args: Sequence[str] = ()) -> dict[str, Any]:
+    """Run ``python -m module args --json FILE`` on ``np_`` ranks through shoalrun and return
+    what rank 0 wrote to FILE. Raises ``RuntimeError`` if the job fails."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        cmd = [sys.executable, "-m", "shoal.runner", "-np", str(np_), *launcher_args,
+               sys.executable, "-m", module, *args, "--json", out]
+        proc = subprocess.run(cmd, timeout=timeout, check=False)
+        if proc.returncode != 0:
+            raise RuntimeError(f"the np={np_} job of {module} failed (exit {proc.returncode})")
+        with open(out) as f:
+            return json.load(f)
+
+
+def alternate(methods: dict[str, Callable[[], Any]], trials: int, reps: int,
+              barrier: Callable[[], None]) -> dict[str, list[float]]:
+    """Time every method ``trials`` times, taking turns (rotating who goes first), each trial
+    ``reps`` back-to-back calls after a barrier; seconds per call."""
+    names = list(methods)
+    for name in names:  # warm up: connections, page faults, caches
+        methods[name]()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for trial in range(trials):
+        k = trial % len(names)
+        for name in names[k:] + names[:k]:
+            barrier()
+            fn = methods[name]
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            times[name].append((time.perf_counter() - t0) / reps)
+    return times
+
+
+def worst_over_ranks(per_rank: Sequence[Sequence[float]]) -> dict[str, float]:
+    """Per trial the slowest rank counts (a collective is as slow as its slowest member)."""
+    return stats(np.max(np.asarray(per_rank, dtype=np.float64), axis=0))
+
+
+def init_gloo() -> tuple[Any, Any] | None:
+    """``torch`` and ``torch.distributed`` over gloo for this job, or None without torch."""
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError:
+        return None
+    torch.set_num_threads(1)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method="env://")
+    return torch, dist
+
+
+def write_results(path: str, payload: dict[str, Any]) -> None:
+    """Write a results JSON file (creating its folder) and say where it went."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"command": " ".join(["shoal", *sys.argv[1:]]), **payload}, f, indent=1)
+    print(f"results written to {path}")

@@ -1,0 +1,209 @@
+"""``DistributedOptimizer``: Horovod's semantics, with communication overlapping backward.
+
+Every parameter that requires a gradient gets a post-accumulate-grad hook. When a gradient is
+final for the step (after ``backward_passes_per_step`` backward passes), the hook hands it to
+the engine at once, in place, so its reduction runs while backward is still computing earlier
+layers; the engine fuses what is ready together. ``step()`` waits only for what is still in
+flight, then runs the wrapped optimizer.
+
+Parameters that got no gradient in a step (unused branches) are reduced as zeros at
+``synchronize()``, as Horovod does: every rank must reduce the same set, or the ranks that did
+compute it would wait forever. Frozen parameters (``requires_grad=False``) are never touched.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+import shoal
+from shoal.core.compression import Codec, Compression
+from shoal.core.ops import ReduceOp
+
+from .tensors import stage
+
+__all__ = ["DistributedOptimizer"]
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    """Wrap ``optimizer`` so that ``step()`` uses gradients averaged over all ranks.
+
+    It *is* a ``torch.optim.Optimizer`` (learning-rate schedulers accept it) and shares the
+    wrapped optimizer's ``param_groups`` and ``state``, so changes through either are seen by
+    both.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer,
+                 named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
+                 compression: Codec = Compression.none, backward_passes_per_step: int = 1,
+                 op: ReduceOp = ReduceOp.AVERAGE, gradient_predivide_factor: float = 1.0,
+                 process_set: Any = None) -> None:
+        if process_set is not None:
+            raise NotImplementedError("process sets are not supported yet")
+        if backward_passes_per_step < 1:
+            raise ValueError("backward_passes_per_step must be >= 1")
+        if gradient_predivide_factor != 1.0 and op != ReduceOp.AVERAGE:
+            raise ValueError("gradient_predivide_factor only applies to op=Average")
+        # share, do not copy: schedulers and user code edit param_groups through either object;
+        # Optimizer.__init__ is not called (it would copy the groups), so set up its hook
+        # registries here for the torch utilities that use them
+        self._inner = optimizer
+        self.defaults = optimizer.defaults
+        for registry in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
+                         "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
+                         "_optimizer_load_state_dict_pre_hooks",
+                         "_optimizer_load_state_dict_post_hooks"):
+            setattr(self, registry, collections.OrderedDict())
+        self._compression = compression
+        self._passes = backward_passes_per_step
+        self._op = op
+        self._predivide = gradient_predivide_factor
+        self._names = self._name_parameters(named_parameters)
+        self._handles: dict[torch.nn.Parameter, tuple[shoal.Handle, Any]] = {}
+        self._counts: dict[torch.nn.Parameter, int] = {}
+        self._synchronized = False
+        self._skip = False
+        self._hooks = []
+        self._check_same_model_everywhere()
+        for p in self._names:
+            if p.requires_grad:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+
+    # the wrapped optimizer's state is ours
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self._inner.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self._inner.param_groups = value
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self._inner.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self._inner.state = value
+
+    def __repr__(self) -> str:
+        return f"DistributedOptimizer({self._inner!r})"
+
+    # -- set-up ----------------------------------------------------------------------------
+    def _name_parameters(self, named: Iterable[tuple[str, torch.nn.Parameter]] | None
+                         ) -> dict[torch.nn.Parameter, str]:
+        params = [p for group in self._inner.param_groups for p in group["params"]]
+        if named is None:
+            return {p: f"grad.param.{i}" for i, p in enumerate(params)}
+        names: dict[torch.nn.Parameter, str] = {}
+        for name, p in named:
+            if name in names.values():
+                raise ValueError(f"parameter name {name!r} appears twice in named_parameters")
+            names[p] = f"grad.{name}"
+        missing = [i for i, p in enumerate(params) if p not in names]
+        if missing:
+            raise ValueError(f"named_parameters does not name the optimizer's parameters at "
+                             f"positions {missing[:10]}; pass model.named_parameters() of the "
+                             f"model whose parameters the optimizer holds")
+        return {p: names[p] for p in params}
+
+    def _check_same_model_everywhere(self) -> None:
+        """Fail now, on every rank, if ranks hold different models (not later, in a hang)."""
+        mine = [(name, tuple(p.shape), str(p.dtype), p.requires_grad)
+                for p, name in self._names.items()]
+        everyone = shoal.allgather_object(mine, name="shoal.torch.optimizer.check")
+        for rank, theirs in enumerate(everyone):
+            if theirs != mine:
+                diff = next(((a, b) for a, b in zip(mine, theirs, strict=False) if a != b),
+                            (f"{len(mine)} parameters", f"{len(theirs)} parameters"))
+                raise shoal.CollectiveMismatchError(
+                    f"rank {shoal.rank()}: DistributedOptimizer wraps a different model than "
+                    f"rank {rank}: here {diff[0]}, there {diff[1]}; every rank must build the "
+                    f"same model and pass the same parameters")
+
+    # -- the hot path ----------------------------------------------------------------------
+    def _on_grad(self, p: torch.nn.Parameter) -> None:
+        count = self._counts.get(p, 0) + 1
+        self._counts[p] = count
+        if count < self._passes:
+            return
+        if p in self._handles:
+            raise RuntimeError(f"rank {shoal.rank()}: gradient of {self._names[p]} was computed "
+                               f"again before step(); call optimizer.step() (or "
+                               f"synchronize()) between backward passes, or raise "
+                               f"backward_passes_per_step")
+        self._submit(p)
+
+    def _submit(self, p: torch.nn.Parameter) -> None:
+        s = stage(p.grad)
+        op = self._op
+        if self._predivide != 1.0:
+            s.host.mul_(1.0 / self._predivide)
+            op = ReduceOp.SUM
+        handle = shoal.allreduce_async(s.array, op=op, name=self._names[p], out=s.array,
+                                       compression=self._compression, bf16=s.bf16)
+        self._handles[p] = (handle, s)
+
+    def synchronize(self) -> None:
+        """Wait for every gradient's reduction (submitting the ones backward never produced)."""
+        for p in self._names:
+            if p.requires_grad and p not in self._handles:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                self._submit(p)
+        post = self._predivide / shoal.size() if self._predivide != 1.0 else 1.0
+        for _p, (handle, s) in self._handles.items():
+            handle.wait()
+            g = s.finish()
+            if post != 1.0:
+                g.mul_(post)
+        self._handles.clear()
+        self._counts.clear()
+        self._synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """For ``synchronize(); clip_grad_norm_(...); with skip_synchronize(): step()``."""
+        self._skip = True
+        try:
+            yield
+        finally:
+            self._skip = False
+
+    def step(self, closure: Any = None) -> Any:
+        """Wait for the gradients still in flight, then run the wrapped optimizer's step."""
+        if not (self._skip and self._synchronized):
+            self.synchronize()
+        self._synchronized = False
+        return self._inner.step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear gradients; refused while reductions are in flight (they would be lost)."""
+        if self._handles:
+            raise RuntimeError(f"rank {shoal.rank()}: zero_grad() called with "
+                               f"{len(self._handles)} gradient reductions in flight; call "
+                               f"step() or synchronize() first")
+        self._inner.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's state dict."""
+        return self._inner.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load into the wrapped optimizer."""
+        self._inner.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Not supported after wrapping: hooks and names are fixed at wrap time."""
+        raise NotImplementedError("add parameter groups before wrapping the optimizer in "
+                                  "DistributedOptimizer")
+
+    def remove_hooks(self) -> None:
+        """Detach from the parameters (the optimizer then no longer reduces anything)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()

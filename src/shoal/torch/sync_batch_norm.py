@@ -1,0 +1,136 @@
+"""``SyncBatchNorm``: batch statistics over the global batch, on CPU as well as GPU.
+
+torch's own ``nn.SyncBatchNorm`` refuses CPU modules. This one computes per-channel count,
+sum and sum of squares locally, allreduces them (one small fused request per call), and
+normalises with the global mean and biased variance; running statistics use the unbiased
+global variance, as single-process BatchNorm over the whole batch would. Backward allreduces
+the two per-channel sums the input gradient needs. Ranks must call the layers in the same
+order (they do when they run the same model).
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+from torch import nn
+
+import shoal
+
+from .tensors import stage
+
+__all__ = ["SyncBatchNorm", "convert_sync_batchnorm"]
+
+_ids = itertools.count()
+
+
+def _allreduce_sum(t: torch.Tensor, name: str) -> torch.Tensor:
+    s = stage(t, copy=True)
+    shoal.allreduce(s.array, op=shoal.Sum, name=name, out=s.array)
+    return s.finish()
+
+
+class _SyncBN(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None,
+                bias: torch.Tensor | None, eps: float, name: str) -> tuple[torch.Tensor, ...]:
+        dims = [0, *range(2, x.dim())]
+        xf = x.float()
+        local = torch.cat([torch.tensor([x.numel() / x.shape[1]], dtype=torch.float64),
+                           xf.sum(dims).double(), (xf * xf).sum(dims).double()])
+        total = _allreduce_sum(local, f"{name}.fwd")
+        c = x.shape[1]
+        count, s, sq = total[0], total[1:1 + c], total[1 + c:]
+        mean = s / count
+        var = (sq / count - mean * mean).clamp_min(0)
+        invstd = torch.rsqrt(var + eps)
+        shape = [1, c] + [1] * (x.dim() - 2)
+        xhat = (xf - mean.float().view(shape)) * invstd.float().view(shape)
+        out = xhat
+        if weight is not None:
+            out = out * weight.float().view(shape) + bias.float().view(shape)
+        ctx.save_for_backward(xhat, invstd.float(), weight)
+        ctx.count = float(count)
+        ctx.name = name
+        ctx.shape = shape
+        unbiased = var * count / max(count - 1, 1)
+        return out.to(x.dtype), mean, unbiased
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor, _gm: Any, _gv: Any) -> tuple[Any, ...]:
+        xhat, invstd, weight = ctx.saved_tensors
+        shape = ctx.shape
+        dims = [0, *range(2, grad_out.dim())]
+        g = grad_out.float()
+        local = torch.cat([g.sum(dims), (g * xhat).sum(dims)]).double()
+        total = _allreduce_sum(local, f"{ctx.name}.bwd").float()
+        c = xhat.shape[1]
+        sum_g, sum_gx = total[:c], total[c:]
+        grad_weight = grad_bias = None
+        if weight is not None:
+            grad_weight = (g * xhat).sum(dims).to(weight.dtype)  # local: DDP averages it
+            grad_bias = g.sum(dims).to(weight.dtype)
+            scale = weight.float().view(shape) * invstd.view(shape)
+        else:
+            scale = invstd.view(shape)
+        n = ctx.count
+        grad_x = scale * (g - sum_g.view(shape) / n - xhat * (sum_gx.view(shape) / n))
+        return grad_x.to(grad_out.dtype), grad_weight, grad_bias, None, None
+
+
+class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
+    """BatchNorm whose training statistics span every rank's batch (any number of dims)."""
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
+                 affine: bool = True, track_running_stats: bool = True,
+                 device: Any = None, dtype: Any = None) -> None:
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device,
+                         dtype)
+        self._shoal_id = next(_ids)
+        self._calls = 0
+
+    def _check_input_dim(self, x: torch.Tensor) -> None:
+        if x.dim() < 2:
+            raise ValueError(f"expected at least 2-D input (got {x.dim()}-D)")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input_dim(x)
+        use_batch = self.training or not self.track_running_stats
+        if not use_batch or not shoal.is_initialized() or shoal.size() == 1:
+            return super().forward(x)
+        self._calls += 1
+        name = f"syncbn.{self._shoal_id}.{self._calls}"
+        out, mean, unbiased = _SyncBN.apply(x, self.weight, self.bias, self.eps, name)
+        if self.training and self.track_running_stats:
+            with torch.no_grad():
+                self.num_batches_tracked += 1
+                m = self.momentum if self.momentum is not None else \
+                    1.0 / float(self.num_batches_tracked)
+                self.running_mean.mul_(1 - m).add_(mean.to(self.running_mean.dtype), alpha=m)
+                self.running_var.mul_(1 - m).add_(unbiased.to(self.running_var.dtype),
+                                                  alpha=m)
+        return out
+
+
+def convert_sync_batchnorm(module: nn.Module) -> nn.Module:
+    """Replace every BatchNorm layer in ``module`` with :class:`SyncBatchNorm`, keeping its
+    parameters, buffers and mode."""
+    if isinstance(module, nn.modules.batchnorm._BatchNorm) and \
+            not isinstance(module, SyncBatchNorm):
+        new = SyncBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
+                            module.track_running_stats)
+        if module.affine:
+            with torch.no_grad():
+                new.weight.copy_(module.weight)
+                new.bias.copy_(module.bias)
+        if module.track_running_stats:
+            new.running_mean.copy_(module.running_mean)
+            new.running_var.copy_(module.running_var)
+            new.num_batches_tracked.copy_(module.num_batches_tracked)
+        new.train(module.training)
+        new.to(module.weight.device if module.affine else module.running_mean.device)
+        return new
+    for child_name, child in module.named_children():
+        module.add_module(child_name, convert_sync_batchnorm(child))
+    return module
