@@ -88,6 +88,8 @@ KNOBS: dict[str, Knob] = _knobs(
     Knob("shm_enable", _parse_bool, True, "use shared memory between ranks on one host"),
     Knob("tcp_buffer_bytes", _parse_bytes, 4 << 20, "socket send/receive buffer size"),
     Knob("tcp_chunk_bytes", _parse_bytes, 4 << 20, "pipeline chunk of the TCP ring"),
+    Knob("small_message_bytes", _parse_bytes, 64 << 10, "across hosts, messages up to this "
+         "size use recursive doubling (log2 n latencies) instead of the ring (2(n-1))"),
     # engine (fusion, timeline)
     Knob("fusion_threshold", _parse_bytes, 64 << 20, "fusion buffer size in bytes"),
     Knob("cycle_time_ms", float, 1.0, "how long the engine waits for more tensors to fuse"),

@@ -16,6 +16,7 @@ import numpy as np
 from ..compression import Codec, storage_dtype
 from ..ops import ReduceOp, finalize, reduce_into
 from . import register
+from .doubling import doubling_allreduce
 from .ring import ring_allreduce
 
 if TYPE_CHECKING:
@@ -62,6 +63,17 @@ def _unpack(buf: np.ndarray, dsts: Sequence[np.ndarray], codec: Codec) -> None:
         pos += d.size
 
 
+def _cross(comm: Communicator, group: Sequence[int], buf: np.ndarray, reduce, finish,
+           what: str) -> None:
+    """Allreduce ``buf`` across ``group`` over TCP: recursive doubling below
+    ``SHOAL_SMALL_MESSAGE_BYTES`` (latency-bound), the ring above (bandwidth-bound)."""
+    if buf.nbytes <= comm.cfg.small_message_bytes:
+        doubling_allreduce(comm.mesh, group, buf, reduce, finish=finish, what=what)
+    else:
+        ring_allreduce(comm.mesh, group, buf, reduce, finish=finish,
+                       block_bytes=comm.cfg.tcp_chunk_bytes, what=what)
+
+
 def _ring_over(comm: Communicator, group: Sequence[int], srcs, dsts, op, dtype, codec, what):
     wire = codec.wire_dtype(dtype)
     reduce = partial(reduce_into, op=op, dtype=wire)
@@ -71,8 +83,7 @@ def _ring_over(comm: Communicator, group: Sequence[int], srcs, dsts, op, dtype, 
             np.copyto(buf, srcs[0])
     else:
         buf = _pack(srcs, storage_dtype(wire), codec)
-    ring_allreduce(comm.mesh, group, buf, reduce, finish=_finisher(op, wire, comm.size),
-                   block_bytes=comm.cfg.tcp_chunk_bytes, what=what)
+    _cross(comm, group, buf, reduce, _finisher(op, wire, comm.size), what)
     if buf is not dsts[0]:
         _unpack(buf, dsts, codec)
 
@@ -99,7 +110,8 @@ def shm_allreduce(comm: Communicator, srcs, dsts, op: ReduceOp, dtype: str, code
 @register("ring", requires=lambda comm: None)
 def flat_ring_allreduce(comm: Communicator, srcs, dsts, op: ReduceOp, dtype: str, codec: Codec,
                         what: str, phases=None) -> None:
-    """Every rank in one TCP ring, whatever host it is on."""
+    """Every rank in one TCP ring (recursive doubling for small messages), whatever host it
+    is on."""
     _ring_over(comm, range(comm.size), srcs, dsts, op, dtype, codec, what)
 
 
@@ -116,8 +128,7 @@ def hierarchical_allreduce(comm: Communicator, srcs, dsts, op: ReduceOp, dtype: 
     reduce = partial(reduce_into, op=op, dtype=wire)
 
     def cross(part: np.ndarray) -> None:
-        ring_allreduce(comm.mesh, group, part, reduce, block_bytes=comm.cfg.tcp_chunk_bytes,
-                       what=what)
+        _cross(comm, group, part, reduce, None, what)
 
     comm.shm.allreduce(srcs, dsts, storage_dtype(wire), reduce,
                        encode=codec.encode if wire != dtype else None,
