@@ -15,11 +15,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     bench = sub.add_parser("bench", help="measure shoal against its peers")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    from .bench import allreduce, exchange
+    from .bench import allreduce, cluster, exchange
     allreduce.add_arguments(bench_sub.add_parser(
         "allreduce", help="float32 allreduce, shoal vs torch gloo vs memcpy"))
     exchange.add_arguments(bench_sub.add_parser(
         "exchange", help="a real model's gradient exchange, shoal vs gloo"))
+    cluster.add_arguments(bench_sub.add_parser(
+        "cluster", help="allreduce across emulated nodes on a shaped link (root)"))
     sub.add_parser("config", help="list every SHOAL_* setting with its default")
     args = parser.parse_args(argv)
     if args.command == "config":
@@ -30,6 +32,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return allreduce.run(args)
     if args.bench == "exchange":
         return exchange.run(args)
+    if args.bench == "cluster":
+        return cluster.run(args)
     return 2  # pragma: no cover
 
 

@@ -15,7 +15,16 @@ import numpy as np
 
 from .stats import stats
 
-__all__ = ["alternate", "init_gloo", "run_job", "worst_over_ranks", "write_results"]
+__all__ = ["alternate", "free_port", "init_gloo", "run_job", "worst_over_ranks",
+           "write_results"]
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago (for a job about to start)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def run_job(np_: int, module: str, args: Sequence[str], timeout: float,
