@@ -150,9 +150,12 @@ class Communicator:
                                [(p, _u8(recv[p])) for p in peers], what=what)
 
     def abort(self) -> None:
-        """Tell same-host peers we are gone, so their waits fail at once."""
+        """Tell same-host peers we are gone, so their waits fail at once, and end this
+        rank's own blocked waits."""
         if self.shm is not None:
             self.shm.abort()
+        if self.mesh is not None:
+            self.mesh.closing = True
 
     def close(self) -> None:
         """Release transports (peers see this rank leave)."""

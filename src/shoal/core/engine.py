@@ -307,17 +307,19 @@ class Engine:
     # -- execution -------------------------------------------------------------------------
     def _execute(self, reqs: Sequence[Request], extras: dict, t0: float, t1: float) -> None:
         threshold = self.cfg.fusion_threshold
-        buckets: dict[tuple, list[Request]] = {}
-        sizes: dict[tuple, int] = {}
+        buckets: dict[tuple, list[Request]] = {}  # open fusion buffer per (dtype, op, codec)
+        filled: dict[tuple, int] = {}
         for req in reqs:
             if req.kind is not Kind.ALLREDUCE:
                 self._run_single(req, extras.get(req.name, {}), t0, t1)
                 continue
             key = (req.dtype, req.op, req.codec.name)
-            if key in buckets and sizes[key] + req.array.nbytes > threshold:
+            if key in buckets and filled[key] + req.array.nbytes > threshold:
                 self._run_fused(buckets.pop(key), t0, t1)
-            buckets.setdefault(key, []).append(req)
-            sizes[key] = sizes.get(key, 0) * (len(buckets[key]) > 1) + req.array.nbytes
+            if key not in buckets:
+                buckets[key], filled[key] = [], 0
+            buckets[key].append(req)
+            filled[key] += req.array.nbytes
         for bucket in buckets.values():
             self._run_fused(bucket, t0, t1)
 

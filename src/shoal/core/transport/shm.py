@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from ..errors import PeerLostError
+from ..errors import PeerLostError, ShoalError
 
 __all__ = ["ShmGroup", "segment_dir", "segment_path"]
 
@@ -153,6 +153,9 @@ class ShmGroup:
                     self._check_peers(pending, what, now - start)
 
     def _check_peers(self, pending: list[int], what: str, waited: float) -> None:
+        if self._hdr[self.me][_ABORT]:
+            raise ShoalError(f"rank {self.ranks[self.me]}: gave up waiting during {what}: "
+                             f"this rank is shutting down or failed")
         for p in pending:
             if self._hdr[p][_ABORT]:
                 raise PeerLostError(

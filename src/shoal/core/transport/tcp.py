@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from ..auth import client_handshake, server_handshake
-from ..errors import AuthenticationError, PeerLostError, RendezvousError
+from ..errors import AuthenticationError, PeerLostError, RendezvousError, ShoalError
 from ..netutil import recv_exact, tune_socket
 
 __all__ = ["TcpMesh"]
@@ -45,6 +45,7 @@ class TcpMesh:
         self._secret = secret
         self._buffer_bytes = buffer_bytes
         self._socks: dict[int, socket.socket] = {}
+        self.closing = False  # set from another thread to end a blocked transfer
         self._sel = selectors.DefaultSelector()
         self._listener = socket.create_server((bind_addr, 0), backlog=max(16, size))
         self.address = self._listener.getsockname()[:2]
@@ -149,8 +150,11 @@ class TcpMesh:
         try:
             last = time.monotonic()
             while out or inc:
-                ready = sel.select(timeout=min(self.timeout, 1.0))
+                ready = sel.select(timeout=min(self.timeout, 0.2))
                 if not ready:
+                    if self.closing:
+                        raise ShoalError(f"rank {self.rank}: gave up during {what}: this rank "
+                                         f"is shutting down")
                     if time.monotonic() - last > self.timeout:
                         self._silent(out, inc, what)
                     continue
