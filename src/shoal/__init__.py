@@ -21,6 +21,7 @@ from .core.api import (
     alltoall,
     barrier,
     broadcast,
+    broadcast_async,
     broadcast_object,
     communicator,
     cross_rank,
@@ -50,7 +51,7 @@ __all__ = [
     "Average", "CollectiveMismatchError", "Handle", "Max", "Min", "PeerLostError", "Product",
     "ReduceOp", "RendezvousError", "ShoalError", "ShoalTimeoutError", "Sum", "__version__",
     "allgather", "allgather_object", "allreduce", "allreduce_async", "alltoall", "barrier",
-    "broadcast", "broadcast_object", "communicator", "cross_rank", "cross_size", "init",
-    "is_initialized", "local_rank", "local_size", "rank", "reducescatter", "shutdown", "size",
-    "world",
+    "broadcast", "broadcast_async", "broadcast_object", "communicator", "cross_rank",
+    "cross_size", "init", "is_initialized", "local_rank", "local_size", "rank", "reducescatter",
+    "shutdown", "size", "world",
 ]

@@ -15,6 +15,7 @@ import os
 import pickle
 import socket
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -228,6 +229,15 @@ class Handle:
     def wait(self, timeout: float | None = None) -> Any:
         """Block until done; return the result or raise the collective's error."""
         return self._engine.wait(self._future, timeout)
+
+    def exception(self) -> BaseException | None:
+        """The collective's error once it is done (None if it succeeded)."""
+        return self._future.exception() if self._future.done() else None
+
+    def add_done_callback(self, fn: Callable[[Handle], None]) -> None:
+        """Call ``fn(handle)`` when the collective completes. It may run on the engine's
+        thread: keep it short, and never wait on another collective inside it."""
+        self._future.add_done_callback(lambda _f: fn(self))
 
 
 def _auto_name(kind: str, name: str | None) -> str:

@@ -216,7 +216,7 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = No
     """Start overwriting ``tensor`` with ``root_rank``'s values, in place."""
     _no_process_sets(process_set)
     s = stage(tensor)
-    return TorchHandle([shoal.core.api.broadcast_async(s.array, root_rank, name)], [s])
+    return TorchHandle([shoal.broadcast_async(s.array, root_rank, name)], [s])
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
@@ -224,7 +224,7 @@ def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = Non
     """Start broadcasting into a copy of ``tensor``."""
     _no_process_sets(process_set)
     s = stage(tensor, copy=True)
-    return TorchHandle([shoal.core.api.broadcast_async(s.array, root_rank, name)], [s])
+    return TorchHandle([shoal.broadcast_async(s.array, root_rank, name)], [s])
 
 
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,

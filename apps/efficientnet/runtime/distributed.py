@@ -1,0 +1,141 @@
+"""The three ways the application can run data-parallel, behind one small interface.
+
+* ``shoal``: Horovod style: ``hvd.DistributedOptimizer`` averages gradients while backward
+  runs; the initial weights and optimizer state are broadcast from rank 0.
+* ``ddp-gloo``: stock ``torch.nn.parallel.DistributedDataParallel`` over torch's gloo.
+* ``ddp-shoal``: stock DDP over the ``"shoal"`` ``torch.distributed`` backend.
+
+shoal is initialised in every case: it tells each process its rank, carries the statistics
+(``hvd.oob_allreduce``) and SyncBatchNorm, and bootstraps gloo's store.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as tdist
+from torch import nn
+
+import shoal.torch as hvd
+
+__all__ = ["BACKENDS", "Dist", "average", "compression", "init_distributed",
+           "shutdown_distributed", "unwrap", "wrap"]
+
+BACKENDS = ("shoal", "ddp-gloo", "ddp-shoal")
+
+
+@dataclass(frozen=True)
+class Dist:
+    """Who this process is in the job, and on which device it computes."""
+
+    backend: str
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    device: torch.device
+
+    @property
+    def is_root(self) -> bool:
+        """Rank 0: the one that logs and writes checkpoints."""
+        return self.rank == 0
+
+
+def _gloo_store(rank: int, size: int) -> tdist.Store:
+    """A TCPStore served by rank 0 on a free port; its address travels over shoal."""
+    store = None
+    where: tuple[str, int] | None = None
+    if rank == 0:
+        host = "127.0.0.1" if hvd.cross_size() == 1 else socket.gethostbyname(
+            socket.gethostname())
+        store = tdist.TCPStore(host, 0, size, is_master=True, wait_for_workers=False)
+        where = (host, store.port)
+    host, port = hvd.broadcast_object(where, root_rank=0, name="efficientnet.gloo_store")
+    if store is None:
+        store = tdist.TCPStore(host, port, size, is_master=False)
+    return store
+
+
+def init_distributed(backend: str = "shoal", device: str | None = None) -> Dist:
+    """Join the job (shoal reads whichever launcher started us) and set up ``backend``.
+
+    Raises:
+        ValueError: ``backend`` is unknown.
+        RuntimeError: ``ddp-shoal`` was asked for but this shoal has no torch backend.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; use one of {', '.join(BACKENDS)}")
+    hvd.init()
+    rank, size, local_rank = hvd.rank(), hvd.size(), hvd.local_rank()
+    if device is None:
+        device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if backend == "ddp-shoal":
+        if not tdist.is_backend_available("shoal"):
+            raise RuntimeError("--backend ddp-shoal needs the 'shoal' torch.distributed backend "
+                               "(shoal.torch.backend), which this shoal installation lacks; "
+                               "use --backend shoal or ddp-gloo")
+        if not tdist.is_initialized():
+            tdist.init_process_group("shoal", rank=rank, world_size=size,
+                                     store=tdist.HashStore())
+    elif backend == "ddp-gloo" and not tdist.is_initialized():
+        tdist.init_process_group("gloo", store=_gloo_store(rank, size), rank=rank,
+                                 world_size=size)
+    return Dist(backend, rank, size, local_rank, hvd.local_size(), dev)
+
+
+def shutdown_distributed(dist: Dist) -> None:
+    """Leave the torch.distributed group (if any) and the shoal job."""
+    if dist.backend != "shoal" and tdist.is_initialized():
+        tdist.destroy_process_group()
+    hvd.shutdown()
+
+
+def compression(name: str) -> Any:
+    """``hvd.Compression`` codec for ``fp16`` / ``bf16`` / ``none``."""
+    try:
+        return {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16,
+                "bf16": hvd.Compression.bf16}[name]
+    except KeyError:
+        raise ValueError(f"unknown compression {name!r}; use fp16, bf16 or none") from None
+
+
+def wrap(model: nn.Module, optimizer: torch.optim.Optimizer, dist: Dist,
+         compression_name: str = "none") -> tuple[nn.Module, torch.optim.Optimizer]:
+    """Make ``model`` / ``optimizer`` data-parallel, with every rank starting from rank 0's
+    weights and optimizer state."""
+    if dist.backend == "shoal":
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+        if dist.size == 1:
+            return model, optimizer
+        return model, hvd.DistributedOptimizer(optimizer, model.named_parameters(),
+                                               compression=compression(compression_name))
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    ids = [dist.device.index] if dist.device.type == "cuda" else None
+    ddp = nn.parallel.DistributedDataParallel(model, device_ids=ids)
+    hook = {"fp16": default_hooks.fp16_compress_hook,
+            "bf16": default_hooks.bf16_compress_hook}.get(compression_name)
+    if hook is not None:
+        ddp.register_comm_hook(None, hook)
+    return ddp, optimizer
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The plain model inside a DDP wrapper (or ``model`` itself)."""
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+def average(values: list[float], name: str) -> list[float]:
+    """Average ``values`` over all ranks (``hvd.oob_allreduce``; every rank must call it)."""
+    t = torch.tensor(values, dtype=torch.float64)
+    if hvd.size() == 1:
+        return t.tolist()
+    return hvd.oob_allreduce(t, name=name).tolist()
+

@@ -1,0 +1,214 @@
+"""One rank's training state and its single steps: build, train step, evaluate, checkpoint.
+
+:func:`build_trainer` makes the model (with ``hvd.SyncBatchNorm`` for ``--batch_norm
+syncbn``), the optimizer (learning rate ``lr_init * global_batch / 256``), the data-parallel
+wrapping of the chosen backend, the weight EMA and the AMP scaler. :func:`train_step` runs one
+step on a batch of ``uint8`` images; :func:`evaluate` one pass over an evaluation loader,
+averaged over the ranks. :func:`trainer_state` / :func:`restore_trainer` turn the whole state
+into a checkpoint and back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+import shoal.torch as hvd
+from apps.efficientnet.config.variants import get_variant
+from apps.efficientnet.model import efficientnet
+from apps.efficientnet.runtime.checkpoint import capture_rng, restore_rng
+from apps.efficientnet.runtime.distributed import Dist, average, unwrap, wrap
+from apps.efficientnet.runtime.losses import (
+    mixup,
+    sample_mixup_lambda,
+    smooth_targets,
+    soft_cross_entropy,
+    topk_correct,
+)
+from apps.efficientnet.runtime.metrics import latency_percentiles
+from apps.efficientnet.runtime.optim import LRSchedule, ModelEMA, build_optimizer
+
+__all__ = ["StepStats", "Trainer", "build_trainer", "evaluate", "image_size", "restore_trainer",
+           "train_step", "trainer_state"]
+
+_LATENCIES = {kind: [f"{kind}_latency_{s}" for s in ("mean", "p90", "p95", "p99")]
+              for kind in ("training", "eval")}
+_MEAN = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1) * 255
+_STD = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1) * 255
+
+
+@dataclass
+class StepStats:
+    """What one training step measured on this rank."""
+
+    loss: float
+    correct_top1: int
+    correct_top5: int
+    count: int
+    lr: float
+
+
+@dataclass
+class Trainer:
+    """Everything one rank trains with; ``step`` counts optimizer steps since the start."""
+
+    args: argparse.Namespace
+    dist: Dist
+    model: nn.Module  # wrapped for the backend (DDP) or the plain model
+    forward: nn.Module  # what the training step calls: ``model`` or its compiled version
+    optimizer: torch.optim.Optimizer
+    schedule: LRSchedule
+    steps_per_epoch: int
+    ema: ModelEMA | None = None
+    scaler: Any = None
+    np_rng: np.random.Generator = field(default_factory=np.random.default_rng)
+    step: int = 0
+    epoch: int = 0
+
+    @property
+    def global_batch(self) -> int:
+        """Images per step over all ranks."""
+        return self.args.train_batch_size * self.dist.size
+
+
+def image_size(args: argparse.Namespace) -> int:
+    """``--image_size`` or the variant's resolution."""
+    return args.image_size or get_variant(args.arch).resolution
+
+
+def build_trainer(args: argparse.Namespace, dist: Dist, steps_per_epoch: int) -> Trainer:
+    """Model, optimizer, schedule, EMA and scaler for ``args``; every rank starts from rank
+    0's weights."""
+    torch.manual_seed(args.seed)
+    norm = hvd.SyncBatchNorm if args.batch_norm == "syncbn" else None
+    model = efficientnet(args.arch, num_classes=args.num_classes, norm_layer=norm,
+                         drop_connect_rate=args.drop_connect_rate).to(dist.device)
+    global_batch = args.train_batch_size * dist.size
+    base_lr = args.lr_init * global_batch / 256
+    optimizer = build_optimizer(args.optimizer, model, base_lr, args.weight_decay,
+                                momentum=args.momentum, rho=args.rmsprop_decay,
+                                eps=args.rmsprop_epsilon)
+    model, optimizer = wrap(model, optimizer, dist, args.compression)
+    schedule = LRSchedule(base_lr, steps_per_epoch, steps_per_epoch * args.max_epochs,
+                          args.lr_warmup_epochs, args.lr_decay, args.lr_decay_rate,
+                          args.lr_decay_epochs)
+    ema = (ModelEMA(unwrap(model), args.moving_average_decay)
+           if args.moving_average_decay > 0 else None)
+    scaler = (torch.amp.GradScaler("cuda") if args.use_amp and dist.device.type == "cuda"
+              else None)
+    forward = torch.compile(model) if args.use_xla else model
+    torch.manual_seed(args.seed + 1000 * dist.rank)  # dropout and drop-connect differ per rank
+    return Trainer(args, dist, model, forward, optimizer, schedule, steps_per_epoch, ema,
+                   scaler, np.random.default_rng([args.seed, dist.rank]))
+
+
+def _autocast(tr: Trainer) -> contextlib.AbstractContextManager:
+    if not tr.args.use_amp:
+        return contextlib.nullcontext()
+    dtype = torch.float16 if tr.dist.device.type == "cuda" else torch.bfloat16
+    return torch.autocast(tr.dist.device.type, dtype=dtype)
+
+
+def _normalize(images: torch.Tensor, device: torch.device) -> torch.Tensor:
+    x = images.to(device, non_blocking=True).float()
+    return (x - _MEAN.to(device)) / _STD.to(device)
+
+
+def train_step(tr: Trainer, images: torch.Tensor, labels: torch.Tensor) -> StepStats:
+    """One optimizer step on this rank's batch (``uint8`` NCHW images, int labels)."""
+    args, opt = tr.args, tr.optimizer
+    tr.model.train()
+    labels = labels.to(tr.dist.device)
+    x = _normalize(images, tr.dist.device)
+    targets = smooth_targets(labels, args.num_classes, args.label_smoothing)
+    x, targets = mixup(x, targets, sample_mixup_lambda(args.mixup_alpha, tr.np_rng))
+    lr = tr.schedule.apply(opt, tr.step)
+    opt.zero_grad(set_to_none=True)
+    with _autocast(tr):
+        logits = tr.forward(x)
+    loss = soft_cross_entropy(logits, targets)
+    if tr.scaler is None:
+        loss.backward()
+        opt.step()
+    else:
+        tr.scaler.scale(loss).backward()
+        if hasattr(opt, "synchronize"):  # Horovod's recipe for AMP with DistributedOptimizer
+            opt.synchronize()
+            tr.scaler.unscale_(opt)
+            with opt.skip_synchronize():
+                tr.scaler.step(opt)
+        else:
+            tr.scaler.step(opt)
+        tr.scaler.update()
+    if tr.ema is not None:
+        tr.ema.update(unwrap(tr.model))
+    tr.step += 1
+    top1, top5 = topk_correct(logits.detach(), labels)
+    return StepStats(float(loss.detach()), top1, top5, int(labels.shape[0]), lr)
+
+
+@torch.no_grad()
+def evaluate(tr: Trainer, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]
+             ) -> dict[str, float]:
+    """Loss, top-1/top-5 accuracy (%), throughput and latencies over ``batches``, with the EMA
+    weights when there are some; counts are combined over the ranks."""
+    model = tr.ema.module if tr.ema is not None else unwrap(tr.model)
+    model.eval()
+    loss_sum, c1, c5, n, times = 0.0, 0, 0, 0, []
+    start = time.perf_counter()
+    for images, labels in batches:
+        t0 = time.perf_counter()
+        labels = labels.to(tr.dist.device)
+        with _autocast(tr):
+            logits = model(_normalize(images, tr.dist.device))
+        loss_sum += float(nn.functional.cross_entropy(logits.float(), labels, reduction="sum"))
+        a, b = topk_correct(logits, labels)
+        c1, c5, n = c1 + a, c5 + b, n + int(labels.shape[0])
+        times.append(time.perf_counter() - t0)
+    elapsed = time.perf_counter() - start
+    lat = latency_percentiles(times, "eval")
+    names = _LATENCIES["eval"]
+    avg = average([loss_sum, c1, c5, n, n / max(elapsed, 1e-9)] +
+                  [lat.get(k, 0.0) for k in names],
+                  name=f"efficientnet.eval.{tr.step}")
+    total = max(avg[3], 1e-12)
+    out = {"eval_loss": avg[0] / total, "eval_accuracy_top_1": 100.0 * avg[1] / total,
+           "eval_accuracy_top_5": 100.0 * avg[2] / total,
+           "avg_exp_per_second_eval": avg[4] * tr.dist.size}
+    out.update(zip(names, avg[5:], strict=True))
+    return out
+
+
+def trainer_state(tr: Trainer) -> dict[str, Any]:
+    """A checkpoint of ``tr`` (every rank must call it: RNG states are gathered)."""
+    rng = hvd.allgather_object(capture_rng(tr.np_rng), name=f"efficientnet.rng.{tr.step}")
+    return {"model": unwrap(tr.model).state_dict(), "optimizer": tr.optimizer.state_dict(),
+            "ema": tr.ema.state_dict() if tr.ema is not None else None,
+            "scaler": tr.scaler.state_dict() if tr.scaler is not None else None,
+            "epoch": tr.epoch, "step": tr.step, "rng": rng, "args": vars(tr.args)}
+
+
+def restore_trainer(tr: Trainer, state: dict[str, Any] | None) -> None:
+    """Load a checkpoint that rank 0 read (``state`` may be None elsewhere) on every rank."""
+    if tr.dist.size > 1:
+        state = hvd.broadcast_object(state, root_rank=0, name="efficientnet.resume")
+    if state is None:
+        raise ValueError("restore_trainer: rank 0 has no checkpoint to send")
+    unwrap(tr.model).load_state_dict(state["model"])
+    tr.optimizer.load_state_dict(state["optimizer"])
+    if tr.ema is not None and state.get("ema"):
+        tr.ema.load_state_dict(state["ema"])
+    if tr.scaler is not None and state.get("scaler"):
+        tr.scaler.load_state_dict(state["scaler"])
+    tr.epoch, tr.step = int(state["epoch"]), int(state["step"])
+    rngs = state.get("rng") or []
+    if tr.dist.rank < len(rngs):
+        restore_rng(rngs[tr.dist.rank], tr.np_rng)

@@ -1,0 +1,112 @@
+"""The remote end of shoalrun's ssh and netns runners. Standard library only: shoalrun runs
+this file's source as ``<python> -c <source>`` on the worker's host, where shoal may not be
+importable.
+
+shoalrun then writes one JSON line to its stdin, ``{"argv": [...], "env": {...}, "cwd": "...",
+"grace": 5.0}``, so the job's environment and secret never appear on a command line. The
+bootstrap
+
+1. leads its own process group (unless it already does) and starts the worker in it, in
+   ``cwd``, with its own environment updated by ``env``;
+2. keeps reading stdin: end of file means shoalrun or the ssh connection is gone, so the
+   group gets SIGTERM, then SIGKILL after ``grace`` seconds (SIGTERM/SIGINT/SIGHUP to the
+   bootstrap do the same);
+3. exits with the worker's exit code, or 128 + N when signal N ended it (ssh reports no
+   signals), 126/127 when the worker could not be started.
+
+While the worker runs, ``<tmp>/shoal-workers/<job_id>-<rank>.pid`` holds the bootstrap's pid:
+a SageMaker host that is not the master waits for these files to go away.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+
+__all__ = ["MARKER_DIR", "main"]
+
+MARKER_DIR = os.path.join(tempfile.gettempdir(), "shoal-workers")
+
+
+def _stopper(grace: float) -> Callable[..., None]:
+    """A function that stops the process group once: SIGTERM now, SIGKILL after ``grace``."""
+    started = threading.Event()
+
+    def kill_later() -> None:
+        time.sleep(grace)
+        os.killpg(0, signal.SIGKILL)  # the bootstrap goes too: nothing is left to report
+
+    def stop(*_: object) -> None:
+        if started.is_set():
+            return
+        started.set()
+        os.killpg(0, signal.SIGTERM)  # reaches this process too: handled, and ignored now
+        threading.Thread(target=kill_later, daemon=True).start()
+
+    return stop
+
+
+def _marker(env: dict[str, str]) -> str | None:
+    job, rank = env.get("SHOAL_JOB_ID"), env.get("SHOAL_RANK")
+    if not job or not rank or "/" in job + rank:
+        return None
+    try:
+        os.makedirs(MARKER_DIR, exist_ok=True)
+        path = os.path.join(MARKER_DIR, f"{job}-{rank}.pid")
+        with open(path, "w") as f:
+            f.write(str(os.getpid()))
+        return path
+    except OSError:
+        return None
+
+
+def main() -> int:
+    """Run the worker described on stdin; its exit code."""
+    payload = json.loads(sys.stdin.buffer.readline() or b"{}")
+    argv, grace = payload.get("argv"), float(payload.get("grace", 5.0))
+    env = {**os.environ, **payload.get("env", {})}
+    where = f"shoalrun bootstrap on {os.uname().nodename}"
+    if not argv:
+        print(f"{where}: no command received on stdin", file=sys.stderr, flush=True)
+        return 126
+    if os.getpgrp() != os.getpid():
+        os.setsid()
+    try:
+        os.chdir(payload.get("cwd") or ".")
+    except OSError as exc:
+        print(f"{where}: cannot enter the working directory: {exc}", file=sys.stderr,
+              flush=True)
+        return 126
+    try:
+        child = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL)
+    except OSError as exc:
+        print(f"{where}: cannot start {argv[0]!r}: {exc}", file=sys.stderr, flush=True)
+        return 127 if isinstance(exc, FileNotFoundError) else 126
+    stop = _stopper(grace)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, stop)
+
+    def watch_stdin() -> None:
+        while sys.stdin.buffer.read1(4096):
+            pass
+        stop()
+
+    threading.Thread(target=watch_stdin, daemon=True).start()
+    marker = _marker(env)
+    try:
+        code = child.wait()
+    finally:
+        if marker:
+            os.unlink(marker)
+    return 128 - code if code < 0 else code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

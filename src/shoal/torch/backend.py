@@ -1,0 +1,446 @@
+"""``torch.distributed`` backend ``"shoal"``: c10d collectives on shoal's engine.
+
+::
+
+    import shoal.torch.backend
+    shoal.torch.backend.register()
+    torch.distributed.init_process_group("shoal")      # under torchrun or shoalrun
+    model = torch.nn.parallel.DistributedDataParallel(model)
+
+Each c10d call becomes named shoal collectives ``torch.<group>.<slot>.<i>``, ``slot`` being
+the group's call counter modulo a window: c10d has every rank issue a group's calls in the
+same order, so ranks agree on names, the engine's name cache stays bounded, and ranks that
+disagree on a call's kind, shape or dtype get :class:`shoal.CollectiveMismatchError`.
+
+allreduce, reduce, broadcast, reduce-scatter and barrier are asynchronous (they overlap
+computation); allgather, all-to-all, gather and scatter finish before returning. Futures are
+completed on a small pool, never on shoal's engine thread, so callbacks (DDP comm hooks) may
+issue and wait on collectives. Not supported: send/recv, groups that are not the whole job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch._C import _distributed_c10d as c10d
+
+import shoal
+from shoal.core.errors import ShoalError, ShoalTimeoutError
+
+from .tensors import Staged, stage
+
+__all__ = ["BACKEND", "ShoalProcessGroup", "ShoalWork", "register"]
+
+BACKEND = "shoal"
+_WINDOW = 1024  # distinct call slots per group: bounds the engine's name cache
+_OPS = {dist.ReduceOp.RedOpType.SUM: shoal.Sum, dist.ReduceOp.RedOpType.AVG: shoal.Average,
+        dist.ReduceOp.RedOpType.MIN: shoal.Min, dist.ReduceOp.RedOpType.MAX: shoal.Max,
+        dist.ReduceOp.RedOpType.PRODUCT: shoal.Product}
+_BOOL_OPS = {shoal.Sum: shoal.Max, shoal.Product: shoal.Min}  # c10d's bool semantics
+_RS = c10d.ReduceScatterOptions()  # c10d's defaults, never modified here
+_Tensors = list[torch.Tensor]
+_registered = False
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _completions() -> ThreadPoolExecutor:
+    """The pool completing futures (a second thread only when a callback blocks)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="shoal-torch-done")
+        return _pool
+
+
+def _seconds(timeout: Any) -> float | None:
+    """A c10d timeout (timedelta, seconds or None; <= 0 means none) in seconds."""
+    if isinstance(timeout, timedelta):
+        timeout = timeout.total_seconds()
+    return None if timeout is None or timeout <= 0 else float(timeout)
+
+
+def _raw(tensor: torch.Tensor) -> tuple[Staged, np.ndarray]:
+    """``tensor`` staged on the host, and its flat bytes (moved as-is: any dtype works)."""
+    st = stage(tensor)
+    return st, st.host.reshape(-1).view(torch.uint8).numpy()
+
+
+def _fill(outs: Sequence[torch.Tensor], raw: np.ndarray) -> None:
+    """Copy consecutive byte ranges of ``raw`` into ``outs`` (any device, any layout)."""
+    sizes = [o.numel() * o.element_size() for o in outs]
+    if sum(sizes) != raw.nbytes:
+        raise ValueError(f"rank {shoal.rank()}: received {raw.nbytes} bytes for outputs of "
+                         f"{sum(sizes)}; output sizes must match what the other ranks send")
+    for out, end, n in zip(outs, np.cumsum(sizes), sizes, strict=True):
+        if n:
+            data = np.ascontiguousarray(raw[end - n:end])
+            out.copy_(torch.from_numpy(data).view(out.dtype).view(out.shape))
+
+
+class ShoalWork(dist.Work):
+    """A c10d work item backed by shoal handles.
+
+    ``get_future()`` completes (on the completion pool) once every handle is done and the
+    results are written back; ``wait(timeout)`` drives the collectives on the calling thread
+    and raises their error, or :class:`shoal.ShoalTimeoutError` past the timeout.
+    """
+
+    def __init__(self, handles: Sequence[shoal.Handle], finish: Callable[[], Any],
+                 devices: Sequence[torch.device] = (), timeout: float | None = None) -> None:
+        super().__init__()
+        cuda = sorted({str(d) for d in devices if d.type == "cuda"})
+        self._future: torch.futures.Future = torch.futures.Future(devices=cuda or None)
+        self._handles = list(handles)
+        self._finish = finish
+        self._timeout = timeout
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._left = len(self._handles)
+        self._lock = threading.Lock()
+        if not self._handles:
+            self._complete()
+        for handle in self._handles:  # the engine thread runs this; it only hands over
+            handle.add_done_callback(self._on_handle)
+
+    def _on_handle(self, _: Any) -> None:
+        with self._lock:
+            self._left -= 1
+            last = self._left == 0
+        if last:
+            _completions().submit(self._complete)
+
+    def _complete(self) -> None:
+        try:
+            for handle in self._handles:
+                exc = handle.exception()
+                if exc is not None:
+                    raise exc
+            value = self._finish()
+        except BaseException as exc:  # delivered through wait() and the future
+            self._error = exc
+            self._future.set_exception(exc)
+        else:
+            self._future.set_result(value)
+        finally:
+            self._done.set()
+
+    def handles_done(self, timeout: float | None = None) -> None:
+        """Wait until shoal has finished this work's collectives (results not yet copied)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for handle in self._handles:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                handle.wait(left)
+            except TimeoutError as exc:
+                raise ShoalTimeoutError(f"rank {shoal.rank()}: torch collective not done "
+                                        f"after {timeout}s") from exc
+
+    def wait(self, timeout: Any = None) -> bool:
+        """Block until done (at most ``timeout``, default the group's); raise its error."""
+        secs = _seconds(timeout)
+        secs = self._timeout if secs is None else secs
+        start = time.monotonic()
+        with contextlib.suppress(Exception):  # a failure: raised below, from the future
+            self.handles_done(secs)
+        left = None if secs is None else max(0.0, secs - (time.monotonic() - start))
+        if not self._done.wait(left):
+            raise ShoalTimeoutError(f"rank {shoal.rank()}: torch collective not done after "
+                                    f"{secs}s")
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        """The future of this work's output tensors."""
+        return self._future
+
+    def is_completed(self) -> bool:
+        """Whether the results are in place (or the work failed)."""
+        return self._done.is_set()
+
+
+class ShoalProcessGroup(dist.ProcessGroup):
+    """A c10d process group spanning the whole shoal job."""
+
+    def __init__(self, rank: int, size: int, group: str = "0",
+                 timeout: float | None = None) -> None:
+        super().__init__(rank, size)
+        self._group = group
+        self._timeout = timeout
+        self._seq = 0
+        self._slots: dict[int, ShoalWork] = {}
+        self._lock = threading.Lock()
+
+    def getBackendName(self) -> str:  # noqa: N802 (c10d's name)
+        """``"shoal"``."""
+        return BACKEND
+
+    def __repr__(self) -> str:
+        return f"ShoalProcessGroup(rank={self.rank()}, size={self.size()}, group={self._group})"
+
+    # -- naming and work -------------------------------------------------------------------
+    def _names(self, count: int) -> tuple[int, list[str]]:
+        """The next call's slot and its ``count`` collective names (same on every rank)."""
+        with self._lock:
+            slot = self._seq % _WINDOW
+            self._seq += 1
+            previous = self._slots.pop(slot, None)
+        if previous is not None:  # the name is reused: its last user must be finished
+            with contextlib.suppress(Exception):  # its error surfaces through its own work
+                previous.handles_done(self._timeout)
+        return slot, [f"torch.{self._group}.{slot}.{i}" for i in range(count)]
+
+    def _work(self, slot: int, handles: Sequence[shoal.Handle], finish: Callable[[], Any],
+              tensors: Sequence[torch.Tensor] = ()) -> ShoalWork:
+        work = ShoalWork(handles, finish, [t.device for t in tensors], self._timeout)
+        if handles:
+            with self._lock:
+                self._slots[slot] = work
+        return work
+
+    def _done(self, value: Any, tensors: Sequence[torch.Tensor] = ()) -> ShoalWork:
+        return ShoalWork((), lambda: value, [t.device for t in tensors], self._timeout)
+
+    # -- reductions ------------------------------------------------------------------------
+    def _reduce_async(self, tensors: Sequence[torch.Tensor], op: dist.ReduceOp,
+                      copy: Sequence[bool] = ()) -> tuple[int, list[Staged], list[Any]]:
+        kind = op.op if hasattr(op, "op") else op
+        if kind not in _OPS:
+            raise NotImplementedError(f"shoal backend: reduce op {kind} is not supported "
+                                      f"(use SUM, AVG, MIN, MAX or PRODUCT)")
+        slot, names = self._names(len(tensors))
+        staged, handles = [], []
+        for i, (tensor, name) in enumerate(zip(tensors, names, strict=True)):
+            sop = _OPS[kind]
+            if tensor.dtype == torch.bool:
+                sop = _BOOL_OPS.get(sop, sop)
+            st = stage(tensor, copy=bool(copy and copy[i]))
+            staged.append(st)
+            handles.append(shoal.allreduce_async(st.array, sop, name=name, out=st.array,
+                                                 bf16=st.bf16))
+        return slot, staged, handles
+
+    def allreduce(self, tensors: list[torch.Tensor],
+                  opts: c10d.AllreduceOptions = c10d.AllreduceOptions()) -> ShoalWork:  # noqa: B008
+        """Reduce each tensor across ranks, in place (a list is reduced tensor by tensor)."""
+        slot, staged, handles = self._reduce_async(tensors, opts.reduceOp)
+
+        def finish() -> list[torch.Tensor]:
+            for st in staged:
+                st.finish()
+            return list(tensors)
+        return self._work(slot, handles, finish, tensors)
+
+    def allreduce_coalesced(self, tensors: _Tensors, opts: Any = None) -> ShoalWork:
+        """Same as :meth:`allreduce` (shoal fuses the tensors itself)."""
+        return self.allreduce(tensors, opts or c10d.AllreduceOptions())
+
+    def reduce(self, tensors: list[torch.Tensor],
+               opts: c10d.ReduceOptions = c10d.ReduceOptions()) -> ShoalWork:  # noqa: B008
+        """Reduce onto ``opts.rootRank``; other ranks' tensors are left unchanged."""
+        root = opts.rootRank
+        copy = [self.rank() != root] * len(tensors)
+        slot, staged, handles = self._reduce_async(tensors, opts.reduceOp, copy)
+
+        def finish() -> list[torch.Tensor]:
+            if self.rank() == root:
+                for st in staged:
+                    st.finish()
+            return list(tensors)
+        return self._work(slot, handles, finish, tensors)
+
+    def reduce_scatter(self, output_tensors: _Tensors, input_tensors: list[_Tensors],
+                       opts: c10d.ReduceScatterOptions = _RS) -> ShoalWork:
+        """Reduce ``input_tensors[i]`` (one tensor per rank) and keep this rank's part."""
+        flats = [torch.cat([t.reshape(-1) for t in parts]) for parts in input_tensors]
+        slot, staged, handles = self._reduce_async(flats, opts.reduceOp)
+        me = self.rank()
+
+        def finish() -> list[torch.Tensor]:
+            for out, st, parts in zip(output_tensors, staged, input_tensors, strict=True):
+                start = sum(p.numel() for p in parts[:me])
+                out.copy_(st.host.reshape(-1)[start:start + out.numel()].view(out.shape))
+            return list(output_tensors)
+        return self._work(slot, handles, finish, output_tensors)
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
+                              opts: c10d.ReduceScatterOptions = _RS) -> ShoalWork:
+        """``reduce_scatter_tensor``: reduce ``input`` and keep block ``rank`` of it."""
+        return self.reduce_scatter_single_coalesced([output], [input], opts)
+
+    def reduce_scatter_single_coalesced(self, outputs: _Tensors, inputs: _Tensors,
+                                        opts: c10d.ReduceScatterOptions = _RS) -> ShoalWork:
+        """:meth:`reduce_scatter_single` for several pairs of tensors."""
+        for out, inp in zip(outputs, inputs, strict=True):
+            if inp.numel() != out.numel() * self.size():
+                raise ValueError(f"rank {self.rank()}: reduce_scatter input has {inp.numel()} "
+                                 f"elements, expected {self.size()} x {out.numel()}")
+        parts = [list(inp.reshape(-1).chunk(self.size())) for inp in inputs]
+        return self.reduce_scatter(outputs, parts, opts)
+
+    _reduce_scatter_base = reduce_scatter_single
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    # -- data movement ---------------------------------------------------------------------
+    def broadcast(self, tensors: list[torch.Tensor],
+                  opts: c10d.BroadcastOptions = c10d.BroadcastOptions()) -> ShoalWork:  # noqa: B008
+        """Overwrite each tensor with ``opts.rootRank``'s."""
+        slot, names = self._names(len(tensors))
+        staged, handles = [], []
+        for tensor, name in zip(tensors, names, strict=True):
+            st, raw = _raw(tensor)
+            staged.append(st)
+            handles.append(shoal.broadcast_async(raw, opts.rootRank, name=name))
+
+        def finish() -> list[torch.Tensor]:
+            for st in staged:
+                st.finish()
+            return list(tensors)
+        return self._work(slot, handles, finish, tensors)
+
+    def barrier(self, opts: c10d.BarrierOptions = c10d.BarrierOptions()) -> ShoalWork:  # noqa: B008
+        """Complete once every rank has reached the barrier."""
+        slot, (name,) = self._names(1)
+        handle = shoal.allreduce_async(np.zeros(1, np.int32), shoal.Sum, name=name)
+        return self._work(slot, [handle], list)
+
+    def allgather(self, output_tensors: list[list[torch.Tensor]],
+                  input_tensors: list[torch.Tensor],
+                  opts: c10d.AllgatherOptions = c10d.AllgatherOptions()) -> ShoalWork:  # noqa: B008
+        """Every rank's ``input_tensors[i]`` into ``output_tensors[i]`` (sizes may differ)."""
+        _, names = self._names(len(input_tensors))
+        for outs, tensor, name in zip(output_tensors, input_tensors, names, strict=True):
+            _fill(outs, shoal.allgather(_raw(tensor)[1], name=name))
+        return self._done(list(output_tensors), [t for o in output_tensors for t in o])
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
+                          opts: c10d.AllgatherOptions = c10d.AllgatherOptions()) -> ShoalWork:  # noqa: B008
+        """``all_gather_into_tensor``: every rank's ``input`` concatenated into ``output``."""
+        return self.all_gather_single_coalesced([output], [input], opts)
+
+    def all_gather_single_coalesced(self, outputs: _Tensors, inputs: _Tensors,
+                                    opts: Any = None) -> ShoalWork:
+        """:meth:`all_gather_single` for several pairs of tensors."""
+        _, names = self._names(len(inputs))
+        for out, inp, name in zip(outputs, inputs, names, strict=True):
+            _fill([out], shoal.allgather(_raw(inp)[1], name=name))
+        return self._done(list(outputs), outputs)
+
+    _allgather_base = all_gather_single
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def _exchange(self, data: np.ndarray, splits: list[int]) -> np.ndarray:
+        """Send ``splits[r]`` consecutive bytes of ``data`` to rank ``r``; bytes received."""
+        _, (name,) = self._names(1)
+        return shoal.alltoall(data, splits, name=name)[0]
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
+                          output_split_sizes: list[int], input_split_sizes: list[int],
+                          opts: c10d.AllToAllOptions = c10d.AllToAllOptions()) -> ShoalWork:  # noqa: B008
+        """Rows ``input_split_sizes[r]`` of ``input`` to rank ``r`` (even split if empty)."""
+        n = self.size()
+        rows = input.shape[0] if input.dim() else input.numel()
+        row_bytes = math.prod(input.shape[1:]) * input.element_size()
+        if not input_split_sizes:
+            if rows % n:
+                raise ValueError(f"rank {self.rank()}: all_to_all_single input has {rows} rows, "
+                                 f"not divisible by {n} ranks; pass input_split_sizes")
+            input_split_sizes = [rows // n] * n
+        got = self._exchange(_raw(input)[1], [int(s) * row_bytes for s in input_split_sizes])
+        if output_split_sizes and sum(output_split_sizes) * row_bytes != got.nbytes:
+            raise ValueError(f"rank {self.rank()}: output_split_sizes {output_split_sizes} do "
+                             f"not match the {got.nbytes // max(row_bytes, 1)} rows received")
+        _fill([output], got)
+        return self._done([output], [output])
+
+    alltoall_base = all_to_all_single
+
+    def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
+                 opts: c10d.AllToAllOptions = c10d.AllToAllOptions()) -> ShoalWork:  # noqa: B008
+        """``input_tensors[r]`` to rank ``r``; ``output_tensors[r]`` from rank ``r``."""
+        raws = [_raw(t)[1] for t in input_tensors]
+        got = self._exchange(np.concatenate(raws) if raws else np.empty(0, np.uint8),
+                             [r.nbytes for r in raws])
+        _fill(output_tensors, got)
+        return self._done(list(output_tensors), output_tensors)
+
+    def gather(self, output_tensors: list[list[torch.Tensor]],
+               input_tensors: list[torch.Tensor],
+               opts: c10d.GatherOptions = c10d.GatherOptions()) -> ShoalWork:  # noqa: B008
+        """Every rank's ``input_tensors[0]`` into ``output_tensors[0]`` on ``opts.rootRank``."""
+        raw = _raw(input_tensors[0])[1]
+        splits = [raw.nbytes if r == opts.rootRank else 0 for r in range(self.size())]
+        got = self._exchange(raw, splits)
+        outs = output_tensors[0] if self.rank() == opts.rootRank else []
+        _fill(outs, got)
+        return self._done(list(output_tensors), outs)
+
+    def scatter(self, output_tensors: list[torch.Tensor],
+                input_tensors: list[list[torch.Tensor]],
+                opts: c10d.ScatterOptions = c10d.ScatterOptions()) -> ShoalWork:  # noqa: B008
+        """``input_tensors[0][r]`` on ``opts.rootRank`` into ``output_tensors[0]`` on rank r."""
+        if self.rank() == opts.rootRank:
+            raws = [_raw(t)[1] for t in input_tensors[0]]
+            data, splits = np.concatenate(raws), [r.nbytes for r in raws]
+        else:
+            data, splits = np.empty(0, np.uint8), [0] * self.size()
+        _fill(output_tensors[:1], self._exchange(data, splits))
+        return self._done(list(output_tensors), output_tensors)
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> ShoalWork:
+        """Not supported: shoal has collectives only."""
+        raise NotImplementedError("shoal backend: send/recv are not supported; use "
+                                  "broadcast, scatter or all_to_all_single instead")
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> ShoalWork:
+        """Not supported: shoal has collectives only."""
+        return self.send(tensors, src, tag)
+
+    recv_anysource = recv
+
+
+def _create(opts: Any, backend_options: Any = None) -> ShoalProcessGroup:
+    """c10d's creator (extended API): join shoal if needed and check it agrees with c10d."""
+    rank, size = int(opts.group_rank), int(opts.group_size)
+    members = [int(r) for r in opts.global_ranks_in_group]
+    if not shoal.is_initialized():
+        try:
+            shoal.init()
+        except ShoalError as exc:
+            raise ShoalError(f"torch.distributed backend 'shoal' could not start shoal "
+                             f"({exc}); launch with shoalrun or torchrun, or call "
+                             f"shoal.init(...) before init_process_group") from exc
+    me, n = shoal.rank(), shoal.size()
+    if members and members != list(range(n)):
+        raise NotImplementedError(f"shoal backend: process groups must span the whole job "
+                                  f"(ranks 0..{n - 1}), not ranks {members}; create subgroups "
+                                  f"with another backend, e.g. new_group(ranks, "
+                                  f"backend='gloo')")
+    if (rank, size) != (me, n):
+        raise ShoalError(f"torch.distributed says this process is rank {rank} of {size}, but "
+                         f"shoal was initialised as rank {me} of {n}; pass the same rank and "
+                         f"world size to both (or let the launcher set them)")
+    group = str(opts.group_id or "0")
+    return ShoalProcessGroup(rank, size, group, _seconds(opts.timeout))
+
+
+def register() -> None:
+    """Make ``"shoal"`` a ``torch.distributed`` backend name (safe to call again)."""
+    global _registered
+    if _registered or BACKEND.upper() in getattr(dist.Backend, "_plugins", {}):
+        _registered = True
+        return
+    dist.Backend.register_backend(BACKEND, _create, extended_api=True,
+                                  devices=["cpu", "cuda"])
+    _registered = True
