@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -25,6 +28,7 @@ import numpy as np
 
 from .common import alternate, init_gloo, run_job, worst_over_ranks, write_results
 from .models import MODELS, param_shapes
+from .stats import stats
 
 __all__ = ["add_arguments", "format_table", "run", "worker_main"]
 
@@ -113,16 +117,39 @@ def format_table(result: dict[str, Any]) -> str:
     lines = [f"{result['model']} gradient exchange: {result['tensors']} tensors, "
              f"{result['values']:,} values, np={result['np']}, algorithm "
              f"{result['algorithm']}, compression {result['compression']}",
-             f"{'method':>16} | {'min ms':>8} | {'median ms':>9} | {'shoal / method':>14}"]
+             f"{'method':>18} | {'min ms':>8} | {'median ms':>9} | {'shoal / method':>14}"]
     for name, st in m.items():
-        lines.append(f"{name:>16} | {st['min'] * 1e3:8.2f} | {st['median'] * 1e3:9.2f} | "
+        lines.append(f"{name:>18} | {st['min'] * 1e3:8.2f} | {st['median'] * 1e3:9.2f} | "
                      f"{s / st['min']:13.2f}x")
-    lines += [f"{name:>16} | missing: {why}" for name, why in result["missing"].items()]
+    lines += [f"{name:>18} | missing: {why}" for name, why in result["missing"].items()]
     return "\n".join(lines)
 
 
+def _horovod(n: int, model: str, trials: int, timeout: float) -> dict[str, Any] | str:
+    """Horovod's figures from a horovodrun job in the peers venv, or why there are none."""
+    from importlib import resources
+
+    from .peers import available_peers, peer_python
+    if not available_peers().get("horovod"):
+        return "not installed (scripts/install-peers.sh)"
+    python = peer_python()
+    horovodrun = os.path.join(os.path.dirname(python), "horovodrun")
+    shapes = resources.files("shoal.bench").joinpath(f"data/{model.replace('-', '_')}.json")
+    script = resources.files("shoal.bench").joinpath("peer_workers/horovod_exchange.py")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "horovod.json")
+        cmd = [horovodrun, "-np", str(n), "-H", f"localhost:{n}", "--gloo", python,
+               str(script), "--shapes", str(shapes), "--trials", str(trials), "--json", out]
+        proc = subprocess.run(cmd, timeout=timeout, capture_output=True, text=True,
+                              check=False)
+        if proc.returncode != 0 or not os.path.exists(out):
+            return f"horovodrun failed (exit {proc.returncode}): {proc.stderr[-300:]}"
+        with open(out) as f:
+            return {name: stats(v) for name, v in json.load(f).items()}
+
+
 def run(args: argparse.Namespace) -> int:
-    """Driver: one job per world size."""
+    """Driver: per world size, the shoal/gloo job, then Horovod's job right after it."""
     results = []
     for n in args.np:
         try:
@@ -132,6 +159,12 @@ def run(args: argparse.Namespace) -> int:
         except RuntimeError as exc:
             print(f"shoal bench exchange: {exc}", file=sys.stderr)
             return 1
+        hvd = _horovod(n, args.model, args.trials, args.timeout)
+        if isinstance(hvd, str):
+            results[-1]["missing"]["horovod"] = hvd
+        else:
+            results[-1]["methods"].update(hvd)
+            results[-1]["separate_job"] = sorted(hvd)
         print(format_table(results[-1]), flush=True)
     write_results(args.out, {"results": results})
     return 0
