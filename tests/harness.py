@@ -41,7 +41,7 @@ def _worker(fn: Callable[..., Any], rank: int, size: int, host: str, port: int, 
     import shoal
     try:
         shoal.init(rank=rank, size=size, rendezvous_addr="127.0.0.1", rendezvous_port=port,
-                   hostname=host, job_id=job, **settings)
+                   hostname=host, job_id=job, serve_store=False, **settings)
         try:
             value = fn(rank, *args)
         finally:
@@ -68,7 +68,11 @@ def run_ranks(fn: Callable[..., Any], n: int, *args: Any, hosts: Sequence[str] |
     settings.setdefault("timeout_s", 10.0)
     settings.setdefault("start_timeout_s", 20.0)
     queue = _ctx.Queue()
-    port, secret = free_port(), secrets.token_hex(16)
+    secret = secrets.token_hex(16)
+    from shoal.core.auth import secret_bytes
+    from shoal.core.rendezvous import StoreServer
+    store = StoreServer(secret_bytes(secret)).start()  # outside the ranks, as shoalrun does
+    port = store.address[1]
     job = f"t{os.getpid()}-{secrets.token_hex(3)}"
     per_rank = [{"secret": secret, **settings, **(rank_settings or {}).get(r, {})}
                 for r in range(n)]
@@ -91,6 +95,7 @@ def run_ranks(fn: Callable[..., Any], n: int, *args: Any, hosts: Sequence[str] |
         if p.is_alive():
             os.kill(p.pid, signal.SIGKILL)
             p.join(2.0)
+    store.close()
     if expect_errors:
         return [None if r not in outcomes else
                 (outcomes[r][0], outcomes[r][1] if outcomes[r][0] == "ok"

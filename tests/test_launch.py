@@ -51,10 +51,12 @@ def test_plan_too_few_slots() -> None:
         plan(5, [("a", 2), ("b", 2)], emulate_hosts=True)
 
 
-def test_plan_non_local_host_needs_emulation() -> None:
-    with pytest.raises(LaunchError, match=r"node-b\.invalid.*remote \(ssh\) launch is not "
-                                          r"supported yet.*--emulate-hosts"):
-        plan(2, [("localhost", 1), ("node-b.invalid", 1)])
+def test_plan_marks_remote_hosts() -> None:
+    specs = plan(3, [("localhost", 1), ("node-b.invalid", 2)])
+    assert [(s.host, s.local, s.cross_rank) for s in specs] == [
+        ("localhost", True, 0), ("node-b.invalid", False, 1), ("node-b.invalid", False, 1)]
+    emulated = plan(2, [("a", 1), ("b", 1)], emulate_hosts=True)
+    assert all(s.local for s in emulated)
     with pytest.raises(LaunchError, match="list it once"):
         plan(2, [("localhost", 1), ("127.0.0.1", 1)])
 
@@ -128,8 +130,8 @@ def test_forwarded_variables() -> None:
 def test_main_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["-np", "2"]) == 2
     assert "no command" in capsys.readouterr().err
-    assert main(["-np", "2", "-H", "far.invalid:2", "true"]) == 2
-    assert "ssh" in capsys.readouterr().err
+    assert main(["-np", "2", "-H", "far.invalid:2", "true"]) == 2  # no route: nothing started
+    assert "far.invalid" in capsys.readouterr().err
     assert main(["-np", "2", "-x", "SHOAL_TEST_SURELY_UNSET", "true"]) == 2
     assert "SHOAL_TEST_SURELY_UNSET" in capsys.readouterr().err
 

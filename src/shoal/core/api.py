@@ -9,6 +9,7 @@ the :class:`~shoal.core.comm.Communicator` that every collective below uses.
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import logging
 import os
@@ -26,7 +27,7 @@ from .auth import secret_bytes
 from .comm import Communicator
 from .compression import Codec, Compression
 from .engine import Engine, Kind, Request
-from .errors import NotInitializedError
+from .errors import NotInitializedError, PeerLostError
 from .ops import ReduceOp, check_array
 from .rendezvous import StoreClient, StoreServer
 from .transport.shm import ShmGroup
@@ -77,13 +78,16 @@ def _local_address(remote: str, port: int) -> str:
 def init(*, rank: int | None = None, size: int | None = None, local_rank: int | None = None,
          local_size: int | None = None, rendezvous_addr: str | None = None,
          rendezvous_port: int | None = None, hostname: str | None = None,
-         secret: str | None = None, job_id: str | None = None, **settings: Any) -> None:
+         secret: str | None = None, job_id: str | None = None,
+         serve_store: bool | None = None, **settings: Any) -> None:
     """Join the job. Safe to call twice (the second call does nothing).
 
     With no arguments the launcher's environment says who this process is (shoalrun,
     torchrun, mpirun, srun, SageMaker; a lone process is rank 0 of 1). Explicit arguments win
     over the environment; other keyword arguments override ``SHOAL_*`` settings by knob name
-    (``timeout_s=5``, ``allreduce_algorithm="ring"``).
+    (``timeout_s=5``, ``allreduce_algorithm="ring"``). ``serve_store`` says whether rank 0
+    serves the rendezvous store (default: unless shoalrun, which serves it, started the job;
+    a store outside the workers survives any of them, which lets survivors name the dead).
     """
     with _lock:
         if _state["comm"] is not None:
@@ -107,7 +111,9 @@ def init(*, rank: int | None = None, size: int | None = None, local_rank: int | 
         _state["generation"] += 1
         gen = f"shoal/g{_state['generation']}"
         server = None
-        if info.rank == 0 and info.launcher != "shoalrun":
+        if serve_store is None:
+            serve_store = info.launcher != "shoalrun"
+        if info.rank == 0 and serve_store:
             bind = cfg.bind_addr or info.rendezvous_addr
             server = StoreServer(key, host=bind, port=info.rendezvous_port).start()
         try:
@@ -137,8 +143,58 @@ def init(*, rank: int | None = None, size: int | None = None, local_rank: int | 
             shm = ShmGroup(info.job_id, world.cross_rank, world.local_rank, world.local_ranks,
                            cfg.shm_chunk_bytes, cfg.timeout_s, barrier)
         comm = Communicator(cfg, world, mesh, shm)
-        _state.update(comm=comm, engine=Engine(comm, cfg), counter=0)
+        explain = functools.partial(explain_loss, store, f"{gen}/lost", info.rank, info.size)
+        _state.update(comm=comm, engine=Engine(comm, cfg, explain), counter=0)
         store.barrier(f"{gen}/ready", info.size, timeout=cfg.start_timeout_s)
+
+
+def explain_loss(store: StoreClient, prefix: str, rank: int, size: int,
+                 exc: PeerLostError, abort: Callable[[], None],
+                 grace: float = 1.0, settle: float = 0.2) -> PeerLostError:
+    """Turn "my neighbour left" into "rank r died".
+
+    A rank that gives up because *its* peer died closes its connections too, so the error a
+    rank sees first often names a messenger. So every failing rank reports at the store whom
+    it blames *before* it lets its own peers go (``abort``); the lost ranks are those blamed
+    by someone that never report themselves. Without a reachable store, ``exc`` is kept.
+    """
+    import time
+    found: list[list[int]] = []
+    reported = threading.Event()
+
+    def ask() -> None:  # in a thread: a stopped store host must not stop us too
+        try:
+            store.set(f"{prefix}/{rank}", str(exc.rank).encode())
+            reported.set()
+            start = time.monotonic()
+            while True:
+                blamed, silent = set(), []
+                for r in range(size):
+                    said = store.try_get(f"{prefix}/{r}")
+                    if said is None:
+                        silent.append(r)
+                    elif said != b"None":
+                        blamed.add(int(said))
+                lost = [r for r in silent if r in blamed]
+                waited = time.monotonic() - start
+                if (lost and waited > settle) or waited > grace:
+                    found.append(lost)
+                    return
+                time.sleep(0.05)
+        except Exception:
+            return
+
+    asker = threading.Thread(target=ask, name="shoal-explain-loss", daemon=True)
+    asker.start()
+    reported.wait(0.5)
+    abort()
+    asker.join(grace + 2.0)
+    if not found or not found[0] or found[0] == [exc.rank]:
+        return exc
+    lost = found[0]
+    return PeerLostError(f"rank {rank}: lost rank{'s' if len(lost) > 1 else ''} "
+                         f"{', '.join(map(str, lost))} (it stopped answering; seen here as: "
+                         f"{exc})", rank=lost[0])
 
 
 def shutdown() -> None:

@@ -27,7 +27,7 @@ import logging
 import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,7 +37,7 @@ import numpy as np
 from .comm import Communicator
 from .compression import Codec, Compression
 from .config import Config
-from .errors import CollectiveMismatchError, ShoalError, ShoalTimeoutError
+from .errors import CollectiveMismatchError, PeerLostError, ShoalError, ShoalTimeoutError
 from .ops import ReduceOp
 from .timeline import Timeline
 
@@ -95,8 +95,11 @@ def mismatch_message(what: str, descs: dict[int, str]) -> str:
 class Engine:
     """Negotiates, orders, fuses and runs this process's collectives."""
 
-    def __init__(self, comm: Communicator, cfg: Config) -> None:
+    def __init__(self, comm: Communicator, cfg: Config,
+                 explain: Callable[[PeerLostError, Callable[[], None]], PeerLostError]
+                 | None = None) -> None:
         self.comm = comm
+        self._explain = explain
         self.cfg = cfg
         self.rank = comm.rank
         self.size = comm.size
@@ -104,6 +107,7 @@ class Engine:
             self.rank == 0 or "{rank}" in cfg.timeline) else None
         self._cv = threading.Condition()
         self._pending: dict[str, Request] = {}
+        self._inflight: list[Request] = []
         self._cache: dict[str, tuple[int, str]] = {}  # name -> (id, desc), same on all ranks
         self._by_id: list[str] = []
         self._run = threading.Lock()
@@ -156,6 +160,8 @@ class Engine:
                     future.exception(timeout=0.002)
                 except TimeoutError:
                     self._check_stalls()
+            if self._broken is not None and not future.done():  # failed by another thread
+                raise self._broken
             if deadline is not None and time.monotonic() > deadline and not future.done():
                 raise TimeoutError(f"rank {self.rank}: collective still running after "
                                    f"{timeout}s")
@@ -188,12 +194,20 @@ class Engine:
 
     def _fail(self, exc: BaseException) -> None:
         if self._broken is None:
+            if isinstance(exc, PeerLostError) and self._explain and not self._stopping:
+                # name the rank that died, not its messenger (aborts once it has reported)
+                exc = self._explain(exc, self.comm.abort)
+            self.comm.abort()  # peers waiting on us learn at once
             self._broken = exc
             if not self._stopping:
                 log.error("rank %d: collective failed: %s", self.rank, exc)
-        self.comm.abort()
+        else:
+            self.comm.abort()
+            exc = self._broken
         with self._cv:
             pending, self._pending = list(self._pending.values()), {}
+            pending += self._inflight
+            self._inflight = []
         for req in pending:
             if not req.future.done():
                 req.future.set_exception(exc)
@@ -242,7 +256,9 @@ class Engine:
         with self._cv:
             for req in runnable:
                 del self._pending[req.name]
+            self._inflight = runnable  # failed by _fail if the collectives below fail
         self._execute(runnable, extras, t0, t1)
+        self._inflight = []
         return bool(runnable)
 
     def _decide(self, blobs: list[bytes], reqs: Sequence[Request]) -> tuple[list[str], dict]:

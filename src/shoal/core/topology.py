@@ -338,7 +338,12 @@ def detect(environ: Mapping[str, str] | None = None, cfg: Config | None = None, 
              "hostname": hostname, "secret": secret, "job_id": job_id}
     cfg = cfg.replace(**{k: v for k, v in given.items() if v is not None})
     explicit = {"rank": rank, "size": size, "local_rank": local_rank, "local_size": local_size}
-    sm_path = SAGEMAKER_RESOURCE_CONFIG if sagemaker_config is None else Path(sagemaker_config)
+    if sagemaker_config is not None:
+        sm_path = Path(sagemaker_config)
+    elif base := _get(env, "SAGEMAKER_BASE_DIR"):  # a fake /opt/ml tree (tests)
+        sm_path = Path(base) / "input/config/resourceconfig.json"
+    else:
+        sm_path = SAGEMAKER_RESOURCE_CONFIG
     sources: list[Callable[[], _Claim | None]] = [
         partial(_from_explicit, explicit),
         partial(_from_config, cfg),

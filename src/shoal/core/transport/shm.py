@@ -38,6 +38,22 @@ _ARRIVE, _REDUCED, _PID, _ABORT = (i * _LINE for i in range(4))
 _LIVENESS_EVERY_S = 0.02
 
 
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs: a zombie (killed, not yet reaped by its parent) counts as dead."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True  # no /proc (not Linux): trust kill()
+    return state not in (b"Z", b"X")
+
+
 def _copy(src: np.ndarray, dst: np.ndarray) -> None:
     np.copyto(dst, src)
 
@@ -161,14 +177,10 @@ class ShmGroup:
                 raise PeerLostError(
                     f"rank {self.ranks[p]} left the job (shut down, or gave up after an error of "
                     f"its own: see its log) during {what}", rank=self.ranks[p])
-            try:
-                os.kill(self._pids[p], 0)
-            except ProcessLookupError:
+            if not _alive(self._pids[p]):
                 raise PeerLostError(
                     f"rank {self.ranks[p]} (pid {self._pids[p]}, same host) died during {what}",
-                    rank=self.ranks[p]) from None
-            except PermissionError:
-                pass
+                    rank=self.ranks[p])
         if waited > self.timeout:
             ranks = [self.ranks[p] for p in pending]
             raise PeerLostError(
