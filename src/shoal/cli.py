@@ -1,4 +1,4 @@
-"""The ``shoal`` command: ``shoal bench ...`` and ``shoal config``."""
+"""The ``shoal`` command: ``shoal bench ...``, ``shoal sim`` and ``shoal config``."""
 
 from __future__ import annotations
 
@@ -22,8 +22,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "exchange", help="a real model's gradient exchange, shoal vs gloo"))
     cluster.add_arguments(bench_sub.add_parser(
         "cluster", help="allreduce across emulated nodes on a shaped link (root)"))
+    from .sim import cli as sim_cli
+    sim_cli.add_arguments(sub.add_parser(
+        "sim", help="predict step time and scaling efficiency on M nodes x G workers"))
     sub.add_parser("config", help="list every SHOAL_* setting with its default")
     args = parser.parse_args(argv)
+    if args.command == "sim":
+        return sim_cli.run(args)
     if args.command == "config":
         from .core.config import describe
         print(describe())
