@@ -117,6 +117,13 @@ step_torch() {
     || fail "pip install torch==$TORCH_VERSION numpy==$NUMPY_VERSION failed"
 }
 
+step_shoal() {
+  # shoal itself (editable, no dependencies), so one job can time shoal and a peer side by
+  # side in the same processes: e.g. under mpirun, shoal, gloo and mpi4py take turns
+  if "$PY" -c "import shoal" >/dev/null 2>&1; then echo "shoal already importable"; return; fi
+  pip_in_venv --no-deps -e "$ROOT" || fail "pip install -e $ROOT failed"
+}
+
 step_openmpi() {
   if command -v mpirun >/dev/null && command -v mpicc >/dev/null; then
     echo "Open MPI present: $(mpirun --version | head -n 1)"; return
@@ -274,6 +281,7 @@ if [ "$CHECK_ONLY" -eq 0 ]; then
   run_step gloo venv step_venv
   if [ -n "${FAILED[gloo]:-}" ]; then FAILED[mpi]=${FAILED[gloo]}; FAILED[horovod]=${FAILED[gloo]}; fi
   run_step gloo torch step_torch
+  run_step gloo shoal step_shoal
   run_step mpi openmpi step_openmpi
   run_step mpi mpi4py step_mpi4py
   [ -z "${FAILED[gloo]:-}" ] || FAILED[horovod]="needs torch: ${FAILED[gloo]}"

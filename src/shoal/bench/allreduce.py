@@ -21,7 +21,14 @@ from typing import Any
 
 import numpy as np
 
-from .common import alternate, init_gloo, run_job, worst_over_ranks, write_results
+from .common import (
+    alternate,
+    init_gloo,
+    run_job,
+    run_mpi_job,
+    worst_over_ranks,
+    write_results,
+)
 from .stats import human_bytes, parse_size
 
 __all__ = ["add_arguments", "format_table", "run", "worker_main"]
@@ -34,7 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--np", type=int, nargs="+", default=[2, 4], help="world sizes to run")
     p.add_argument("--sizes", default=DEFAULT_SIZES, help="message sizes, e.g. 4K,1M,64M")
     p.add_argument("--trials", type=int, default=15, help="timed trials per method and size")
-    p.add_argument("--peers", default="gloo", help="comma list of peers: gloo (or none)")
+    p.add_argument("--peers", default="gloo,mpi",
+                   help="comma list of peers: gloo, mpi (mpi runs the job under mpirun from "
+                        "the peers venv, scripts/install-peers.sh), or none")
     p.add_argument("--out", default="results/bench-allreduce.json", help="JSON results file")
     p.add_argument("--timeout", type=float, default=900, help="seconds per world size")
 
@@ -54,9 +63,17 @@ def worker_main(argv: Sequence[str]) -> None:
     args = p.parse_args(argv)
     import shoal
     shoal.init()
-    gloo = init_gloo() if "gloo" in args.peers.split(",") else None
+    peers = args.peers.split(",")
+    gloo = init_gloo() if "gloo" in peers else None
     missing = {"gloo": "torch is not installed (pip install 'shoal[torch]')"} \
-        if "gloo" in args.peers.split(",") and gloo is None else {}
+        if "gloo" in peers and gloo is None else {}
+    mpi = None
+    if "mpi" in peers:
+        try:
+            from mpi4py import MPI
+            mpi = MPI
+        except ImportError:
+            missing["mpi"] = "mpi4py is not importable here (scripts/install-peers.sh)"
     rng = np.random.default_rng(shoal.rank())
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     times: dict[int, dict[str, list[float]]] = {}
@@ -69,6 +86,10 @@ def worker_main(argv: Sequence[str]) -> None:
             torch, dist = gloo
             t = torch.from_numpy(x.copy())
             methods["gloo"] = lambda t=t, dist=dist: dist.all_reduce(t)
+        if mpi is not None:
+            mout = np.empty_like(x)
+            methods["mpi"] = lambda x=x, mout=mout: mpi.COMM_WORLD.Allreduce(x, mout,
+                                                                          op=mpi.SUM)
         times[nbytes] = alternate(methods, args.trials, _reps(nbytes), shoal.barrier)
         floor = []  # one process, one pass over memory, while the others wait
         for _ in range(args.trials):
@@ -126,12 +147,20 @@ def format_table(result: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Driver: one shoalrun job per world size; print the tables and write the JSON file."""
+    from .peers import available_peers
     results = []
+    peers = [p for p in args.peers.split(",") if p and p != "none"]
+    use_mpi = "mpi" in peers and bool(available_peers().get("mpi"))
     for n in args.np:
+        job_args = ["--sizes", args.sizes, "--trials", str(args.trials), "--peers",
+                    ",".join(peers) or "none"]
         try:
-            results.append(run_job(n, "shoal.bench.allreduce",
-                                   ["--sizes", args.sizes, "--trials", str(args.trials),
-                                    "--peers", args.peers], args.timeout))
+            if use_mpi:
+                results.append(run_mpi_job(n, "shoal.bench.allreduce", job_args, args.timeout))
+            else:
+                results.append(run_job(n, "shoal.bench.allreduce", job_args, args.timeout))
+                if "mpi" in peers:
+                    results[-1]["missing"]["mpi"] = "not installed (scripts/install-peers.sh)"
         except RuntimeError as exc:
             print(f"shoal bench allreduce: {exc}", file=sys.stderr)
             return 1

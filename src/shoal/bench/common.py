@@ -15,8 +15,8 @@ import numpy as np
 
 from .stats import stats
 
-__all__ = ["alternate", "free_port", "init_gloo", "run_job", "worst_over_ranks",
-           "write_results"]
+__all__ = ["alternate", "free_port", "init_gloo", "run_job", "run_mpi_job",
+           "worst_over_ranks", "write_results"]
 
 
 def free_port() -> int:
@@ -67,6 +67,32 @@ def worst_over_ranks(per_rank: Sequence[Sequence[float]]) -> dict[str, float]:
     return stats(np.max(np.asarray(per_rank, dtype=np.float64), axis=0))
 
 
+def run_mpi_job(np_: int, module: str, args: Sequence[str], timeout: float) -> dict[str, Any]:
+    """Like :func:`run_job`, but started by Open MPI's ``mpirun`` with the peers venv's python
+    (where shoal, torch and mpi4py all import), so shoal and MPI share the same processes."""
+    import secrets
+
+    from .peers import mpirun_command, peer_python
+    python = peer_python()
+    if python is None:
+        raise RuntimeError("no peers venv (scripts/install-peers.sh)")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+               "SHOAL_RENDEZVOUS_PORT": str(free_port()), "SHOAL_SECRET": secrets.token_hex(16),
+               "SHOAL_JOB_ID": f"mpi{os.getpid()}", "OMP_NUM_THREADS": "1"}
+        cmd = [*mpirun_command(np_)]
+        for key, value in env.items():
+            cmd += ["-x", f"{key}={value}"]
+        cmd += [python, "-m", module, *args, "--json", out]
+        proc = subprocess.run(cmd, timeout=timeout, check=False)
+        if proc.returncode != 0:
+            raise RuntimeError(f"the np={np_} mpirun job of {module} failed "
+                               f"(exit {proc.returncode})")
+        with open(out) as f:
+            return json.load(f)
+
+
 def init_gloo() -> tuple[Any, Any] | None:
     """``torch`` and ``torch.distributed`` over gloo for this job, or None without torch."""
     try:
@@ -75,6 +101,9 @@ def init_gloo() -> tuple[Any, Any] | None:
     except ImportError:
         return None
     torch.set_num_threads(1)
+    if "RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" in os.environ:  # under mpirun
+        os.environ["RANK"] = os.environ["OMPI_COMM_WORLD_RANK"]
+        os.environ["WORLD_SIZE"] = os.environ["OMPI_COMM_WORLD_SIZE"]
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method="env://")
     return torch, dist
