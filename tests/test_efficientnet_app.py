@@ -270,7 +270,7 @@ def _ddp_shoal(rank: int) -> tuple[str, str, float] | str:
         with pytest.raises(RuntimeError, match="ddp-shoal needs"):
             init_distributed("ddp-shoal")
         return "unavailable"
-    return _one_step(rank, "ddp-shoal", ["--optimizer", "sgd"])
+    return _one_step(rank, "ddp-shoal", ["--optimizer", "sgd", "--batch_norm", "syncbn"])
 
 
 def test_ddp_shoal_backend():

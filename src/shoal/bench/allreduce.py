@@ -44,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peers", default="gloo,mpi",
                    help="comma list of peers: gloo, mpi (mpi runs the job under mpirun from "
                         "the peers venv, scripts/install-peers.sh), or none")
-    p.add_argument("--out", default="results/bench-allreduce.json", help="JSON results file")
+    p.add_argument("--out", default="benchmarks/allreduce.json", help="JSON results file")
     p.add_argument("--timeout", type=float, default=900, help="seconds per world size")
 
 

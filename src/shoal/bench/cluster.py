@@ -36,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes", default="4M,16M,64M")
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--rate", default="1gbit", help="link rate for tc tbf (e.g. 1gbit)")
-    p.add_argument("--out", default="results/bench-cluster.json")
+    p.add_argument("--out", default="benchmarks/cluster.json")
     p.add_argument("--timeout", type=float, default=900)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -15,7 +16,7 @@ import numpy as np
 
 from .stats import stats
 
-__all__ = ["alternate", "free_port", "init_gloo", "run_job", "run_mpi_job",
+__all__ = ["alternate", "free_port", "init_gloo", "machine", "run_job", "run_mpi_job",
            "worst_over_ranks", "write_results"]
 
 
@@ -109,9 +110,40 @@ def init_gloo() -> tuple[Any, Any] | None:
     return torch, dist
 
 
+def machine() -> dict[str, str]:
+    """What the numbers were measured on."""
+    import platform
+
+    import numpy
+    info = {"cpu": platform.processor() or platform.machine(), "cores": str(os.cpu_count())}
+    try:
+        with open("/proc/cpuinfo") as f:
+            info["cpu"] = next(line.split(":", 1)[1].strip() for line in f
+                               if line.startswith("model name"))
+        with open("/proc/meminfo") as f:
+            kib = int(next(line.split()[1] for line in f if line.startswith("MemTotal")))
+        info["memory"] = f"{kib / (1 << 20):.0f} GiB"
+    except (OSError, StopIteration):
+        pass
+    info["python"] = platform.python_version()
+    info["numpy"] = numpy.__version__
+    try:
+        import torch
+        info["torch"] = torch.__version__
+    except ImportError:
+        pass
+    info["date"] = time.strftime("%Y-%m-%d")
+    with contextlib.suppress(OSError):
+        info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"],
+                                        capture_output=True, text=True, timeout=5,
+                                        check=False).stdout.strip() or "unknown"
+    return info
+
+
 def write_results(path: str, payload: dict[str, Any]) -> None:
     """Write a results JSON file (creating its folder) and say where it went."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
-        json.dump({"command": " ".join(["shoal", *sys.argv[1:]]), **payload}, f, indent=1)
+        json.dump({"command": " ".join(["shoal", *sys.argv[1:]]), "machine": machine(),
+                   **payload}, f, indent=1)
     print(f"results written to {path}")

@@ -39,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--np", type=int, nargs="+", default=[2, 4], help="world sizes to run")
     p.add_argument("--trials", type=int, default=15)
     p.add_argument("--compression", default="none", choices=["none", "fp16", "bf16"])
-    p.add_argument("--out", default="results/bench-exchange.json")
+    p.add_argument("--out", default="benchmarks/exchange.json")
     p.add_argument("--timeout", type=float, default=900)
 
 

@@ -1,10 +1,10 @@
-"""The remote end of shoalrun's ssh and netns runners. Standard library only: shoalrun runs
-this file's source as ``<python> -c <source>`` on the worker's host, where shoal may not be
-importable.
+"""The remote end of shoalrun's ssh and netns runners. Standard library only: it runs on the
+worker's host, where shoal may not be importable.
 
-shoalrun then writes one JSON line to its stdin, ``{"argv": [...], "env": {...}, "cwd": "...",
-"grace": 5.0}``, so the job's environment and secret never appear on a command line. The
-bootstrap
+shoalrun starts ``<python> -c 'import json,sys;exec(json.loads(sys.stdin.buffer.readline()))'``
+there and writes two JSON lines to its stdin: this file's source, then the job,
+``{"argv": [...], "env": {...}, "cwd": "...", "grace": 5.0}``. The job's environment and
+secret therefore never appear on a command line. The bootstrap
 
 1. leads its own process group (unless it already does) and starts the worker in it, in
    ``cwd``, with its own environment updated by ``env``;
@@ -109,4 +109,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    sys.stderr.flush()
+    os._exit(status)  # not sys.exit: the stdin reader thread must not block the shutdown

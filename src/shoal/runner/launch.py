@@ -1,20 +1,24 @@
 """``shoalrun``: start N copies of a command as one shoal job, for example
-``shoalrun -np 4 -H node-a:2,node-b:2 --emulate-hosts -x OMP_NUM_THREADS=2 python train.py``.
+``shoalrun -np 8 -H node-a:4,node-b:4 -x OMP_NUM_THREADS=2 python train.py``.
 
-Every worker runs in its own session (process group). Its output lines reach shoalrun's
-stdout/stderr tagged ``[<rank>]<stdout>: `` / ``[<rank>]<stderr>: ``. The first worker to exit
-non-zero or by a signal stops the job: the others get SIGTERM, then SIGKILL after
-``--kill-grace`` seconds; leftover shared memory ``/dev/shm/shoal-<job_id>-*`` is removed, one
-summary line goes to stderr and shoalrun exits with that worker's code (128 + the signal
-number for a signal). Ctrl-C or SIGTERM to shoalrun stops the job the same way (exit 130, 143).
+Flags (``shoalrun --help``) and the ``SHOAL_*`` variables that set them are listed in one
+table, :data:`shoal.runner.options.OPTIONS`. Output lines of the workers reach shoalrun's
+stdout/stderr tagged ``[<rank>]<stdout>: `` / ``[<rank>]<stderr>: `` (and, with
+``--output-filename DIR``, ``DIR/rank.<rank>.log``). The first worker to exit non-zero stops
+the job (:mod:`shoal.runner.supervise`); so does a rank that has not joined the rendezvous
+``--start-timeout`` seconds after the start, once another rank has (exit 124). Ctrl-C or
+SIGTERM to shoalrun stops the job too (exit 130, 143).
 
-Hosts: without ``-H`` every worker runs on this machine. ``-H host:slots,...`` fills the hosts
-in order. Only this machine (``localhost``, ``127.0.0.1``, its host name) can be launched on
-for now; ``--emulate-hosts`` runs every listed host here as a simulated node (its workers get
-``SHOAL_HOSTNAME=<host>``, so shared memory is grouped by the simulated host).
+Hosts: without ``-H``/``--hostfile`` every worker runs on this machine; otherwise the hosts
+fill in order. This machine (``localhost``, ``127.0.0.1``, its host name) runs its workers
+directly; other hosts are reached with ``ssh`` (:mod:`shoal.runner.runners`), and the
+rendezvous store then listens on this machine's address towards them, or on
+``--network-interface``'s. ``--emulate-hosts`` runs every listed host here as a simulated node.
 
-Environment of each worker: shoalrun's own environment, then the ``-x`` variables
-(``-x NAME=VALUE`` sets, ``-x NAME`` copies shoalrun's value), then:
+Environment of each worker: shoalrun's own environment (remote workers: their host's
+environment plus shoalrun's ``SHOAL_*`` settings, ``PATH``, ``PYTHONPATH`` and
+``VIRTUAL_ENV``), then the ``-x`` variables (``-x NAME=VALUE`` sets, ``-x NAME`` copies
+shoalrun's value), then the knobs set by flags (``--timeline-filename`` ...), then:
 
 =========================  ========================================================
 ``SHOAL_RANK``             global rank, ``0 .. SHOAL_SIZE-1``
@@ -29,7 +33,7 @@ Environment of each worker: shoalrun's own environment, then the ``-x`` variable
 ``SHOAL_RENDEZVOUS_ADDR``  address of the rendezvous store run by shoalrun
 ``SHOAL_RENDEZVOUS_PORT``  port of that store
 ``SHOAL_START_TIMEOUT_S``  longest wait for all ranks to join (``--start-timeout``)
-``MASTER_ADDR``            address for ``torch.distributed``'s own store
+``MASTER_ADDR``            rank 0's host, for ``torch.distributed``'s own store
 ``MASTER_PORT``            a free port for it (not the shoal store's port)
 ``PYTHONUNBUFFERED``       ``1``, so output reaches shoalrun as it is printed
 =========================  ========================================================
@@ -38,35 +42,42 @@ The same values under the names other launchers use, so their user code runs unc
 ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK`` (the cross rank)
 like torchrun; ``HOROVOD_RANK``, ``HOROVOD_SIZE``, ``HOROVOD_LOCAL_RANK``,
 ``HOROVOD_LOCAL_SIZE``, ``HOROVOD_CROSS_RANK``, ``HOROVOD_CROSS_SIZE`` like horovodrun.
+shoalrun's own settings (``SHOAL_NUM_PROC``, ``SHOAL_HOSTS``, ...) are not passed on.
 """
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import glob
 import os
-import queue
 import secrets
-import signal
 import socket
-import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import IO
+from pathlib import Path
 
 from ..core import config
-from ..core.errors import ShoalError
+from ..core.errors import ConfigError, ShoalError
+from . import options, sagemaker
+from .common import ExitCode, LaunchError, err
+from .hosts import (
+    WorkerSpec,
+    interface_address,
+    local_host_names,
+    parse_hostfile,
+    parse_hosts,
+    plan,
+    source_address,
+)
+from .runners import HostRunner, LocalRunner, SshRunner, make_runner
+from .supervise import Launch, RendezvousWatch, supervise
 
 __all__ = [  # noqa: RUF022 (grouped by role, not sorted)
-    "LaunchError", "WorkerSpec", "Job", "RESERVED_VARS", "parse_hosts", "parse_forward",
-    "local_host_names", "plan", "make_job_id", "worker_env", "launch", "build_parser", "main",
+    "LaunchError", "WorkerSpec", "Job", "RESERVED_VARS", "REMOTE_VARS", "parse_hosts",
+    "parse_hostfile", "parse_forward", "local_host_names", "plan", "make_job_id",
+    "worker_env", "remote_base_env", "launch", "build_parser", "main",
 ]
 
-POLL_S = 0.05
 LOCAL_ADDR = "127.0.0.1"
 _VARS = {  # WorkerSpec or Job attribute -> the variables that carry it
     "rank": ("SHOAL_RANK", "RANK", "HOROVOD_RANK"),
@@ -81,22 +92,9 @@ _VARS = {  # WorkerSpec or Job attribute -> the variables that carry it
 }
 RESERVED_VARS = tuple(name for names in _VARS.values() for name in names)
 """Variables shoalrun always sets itself; ``-x`` may not override them."""
-
-
-class LaunchError(ShoalError):
-    """The command line asks for a job shoalrun cannot launch."""
-
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    """Where one worker runs and its place in the job."""
-
-    rank: int
-    local_rank: int
-    local_size: int
-    cross_rank: int
-    cross_size: int
-    host: str
+REMOTE_VARS = ("PATH", "PYTHONPATH", "VIRTUAL_ENV")
+"""Besides ``SHOAL_*`` and ``-x``, what a remote worker inherits from shoalrun's environment."""
+build_parser = options.build_parser
 
 
 @dataclass(frozen=True)
@@ -112,25 +110,8 @@ class Job:
     master_port: int
     start_timeout_s: float = 120.0
     emulate_hosts: bool = False
-    forward: Mapping[str, str] = field(default_factory=dict)
-
-
-def parse_hosts(text: str) -> list[tuple[str, int]]:
-    """``"a:2,b"`` -> ``[("a", 2), ("b", 1)]``; a host without ``:slots`` has one slot."""
-    hosts: list[tuple[str, int]] = []
-    for item in (part.strip() for part in text.split(",")):
-        if not item:
-            continue
-        name, _, count = item.rpartition(":") if ":" in item else (item, ":", "1")
-        slots = int(count) if count.isdigit() else 0
-        if not name or slots < 1:
-            raise LaunchError(f"-H {item!r}: expected host:slots with slots >= 1")
-        if any(name == seen for seen, _ in hosts):
-            raise LaunchError(f"-H lists host {name!r} twice; give it once with all its slots")
-        hosts.append((name, slots))
-    if not hosts:
-        raise LaunchError(f"-H {text!r} names no host")
-    return hosts
+    forward: Mapping[str, str] = field(default_factory=dict)  # -x
+    settings: Mapping[str, str] = field(default_factory=dict)  # knobs set by flags
 
 
 def parse_forward(items: Sequence[str], parent_env: Mapping[str, str]) -> dict[str, str]:
@@ -148,47 +129,6 @@ def parse_forward(items: Sequence[str], parent_env: Mapping[str, str]) -> dict[s
     return out
 
 
-def local_host_names() -> set[str]:
-    """Names under which a host in ``-H`` means this machine."""
-    name = socket.gethostname()
-    return {"localhost", "127.0.0.1", "::1", name, name.split(".")[0]}
-
-
-def plan(np: int, hosts: Sequence[tuple[str, int]] | None = None, *,
-         emulate_hosts: bool = False, local_names: Collection[str] | None = None,
-         default_host: str | None = None) -> list[WorkerSpec]:
-    """Place ``np`` workers: on this host, or filling ``hosts`` (name, slots) in order."""
-    if np < 1:
-        raise LaunchError(f"-np must be at least 1, got {np}")
-    if not hosts:
-        host = default_host or socket.gethostname()
-        return [WorkerSpec(r, r, np, 0, 1, host) for r in range(np)]
-    total = sum(slots for _, slots in hosts)
-    if total < np:
-        listing = ",".join(f"{h}:{s}" for h, s in hosts)
-        raise LaunchError(f"-np {np} needs {np} slots but -H {listing} offers only {total}")
-    used: list[tuple[str, int]] = []  # (host, workers on it), hosts left empty dropped
-    for host, slots in hosts:
-        left = np - sum(n for _, n in used)
-        if left > 0:
-            used.append((host, min(slots, left)))
-    if not emulate_hosts:
-        names = local_host_names() if local_names is None else set(local_names)
-        remote = [h for h, _ in used if h not in names]
-        if remote:
-            raise LaunchError(
-                f"host(s) {', '.join(remote)} are not this machine: remote (ssh) launch is not "
-                "supported yet; use --emulate-hosts to simulate them on this machine")
-        if len(used) > 1:
-            raise LaunchError(f"{', '.join(h for h, _ in used)} are all this machine; list it "
-                              "once, or use --emulate-hosts to simulate separate hosts")
-    specs: list[WorkerSpec] = []
-    for cross_rank, (host, count) in enumerate(used):
-        for local_rank in range(count):
-            specs.append(WorkerSpec(len(specs), local_rank, count, cross_rank, len(used), host))
-    return specs
-
-
 def make_job_id(now: float | None = None, pid: int | None = None) -> str:
     """A short, file-name safe id: milliseconds since the epoch in hex, then the pid."""
     ms = int((time.time() if now is None else now) * 1000)
@@ -197,7 +137,9 @@ def make_job_id(now: float | None = None, pid: int | None = None) -> str:
 
 def worker_env(spec: WorkerSpec, job: Job, base_env: Mapping[str, str]) -> dict[str, str]:
     """The complete environment of one worker (see the module docstring)."""
-    env = {**base_env, **job.forward}
+    env = {k: v for k, v in base_env.items() if k not in options.LAUNCHER_VARS}
+    env.update(job.forward)
+    env.update(job.settings)
     for attr, names in _VARS.items():
         value = getattr(spec if hasattr(spec, attr) else job, attr)
         env.update({name: str(value) for name in names})
@@ -208,242 +150,158 @@ def worker_env(spec: WorkerSpec, job: Job, base_env: Mapping[str, str]) -> dict[
     return env
 
 
-
-@dataclass
-class _Worker:
-    spec: WorkerSpec
-    proc: subprocess.Popen[bytes]
-    threads: list[threading.Thread] = field(default_factory=list)
+def remote_base_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """What of shoalrun's environment a remote worker gets: ``SHOAL_*`` and REMOTE_VARS."""
+    return {k: v for k, v in environ.items() if k.startswith("SHOAL_") or k in REMOTE_VARS}
 
 
-def _err(message: str) -> None:
-    print(f"shoalrun: {message}", file=sys.stderr, flush=True)
-
-
-def _pump(stream: IO[bytes], tag: bytes, target: str, lock: threading.Lock) -> None:
-    """Copy one worker stream line by line, tagged, to ``sys.<target>``; drain even on errors."""
-    with stream:
-        for line in iter(stream.readline, b""):
-            data = tag + (line if line.endswith(b"\n") else line + b"\n")
-            # If our own output is gone, keep draining so that the worker never blocks.
-            with lock, contextlib.suppress(OSError, ValueError):
-                out = getattr(sys, target)
-                out.flush()
-                if hasattr(out, "buffer"):  # bytes as they are: no encoding errors
-                    out.buffer.write(data)
-                    out.buffer.flush()
-                else:
-                    out.write(data.decode(errors="replace"))
-                    out.flush()
-
-
-def _signal_group(pid: int, sig: int) -> bool:
-    try:
-        os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        return False
-    return True
-
-
-def _live_groups(pgids: Collection[int]) -> set[int]:
-    """Those process groups with a member that is not a zombie (init may reap them late)."""
-    if not os.path.isdir("/proc"):
-        return {g for g in pgids if _signal_group(g, 0)}
-    live: set[int] = set()
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        with contextlib.suppress(OSError, IndexError, ValueError), \
-                open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()  # state, ppid, pgrp, ...
-            if fields[0] != "Z":
-                live.add(int(fields[2]))
-    return live.intersection(pgids)
-
-
-def _stop_all(workers: Sequence[_Worker], grace: float,
-              hurry: Callable[[], bool] = lambda: False) -> None:
-    """SIGTERM every worker's process group, SIGKILL what is left after ``grace`` seconds."""
-    for w in workers:
-        _signal_group(w.proc.pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and not hurry():
-        if all(w.proc.poll() is not None for w in workers) and \
-                not _live_groups([w.proc.pid for w in workers]):
-            break
-        time.sleep(POLL_S)
-    for w in workers:
-        _signal_group(w.proc.pid, signal.SIGKILL)
-    for w in workers:
-        w.proc.wait()
-        for t in w.threads:  # readers end at EOF, once every process holding the pipe is gone
-            t.join(timeout=5.0)
-
-
-def _describe_exit(code: int) -> str:
-    if code >= 0:
-        return f"exited with code {code}"
-    names = {s.value: s.name for s in signal.Signals}
-    return f"was killed by {names.get(-code, f'signal {-code}')}"
-
-
-def _install_handlers(caught: list[int]) -> dict[int, object]:
-    """Record SIGINT/SIGTERM instead of dying; returns the old handlers."""
-    if threading.current_thread() is not threading.main_thread():
-        return {}
-    return {sig: signal.signal(sig, lambda signum, _frame: caught.append(signum))
-            for sig in (signal.SIGINT, signal.SIGTERM)}
-
-
-def _wait_and_report(w: _Worker, exits: queue.Queue[_Worker]) -> None:
-    w.proc.wait()
-    exits.put(w)  # in the order the workers exit: the first failure is the one reported
-
-
-def _supervise(specs: Sequence[WorkerSpec], job: Job, command: Sequence[str],
-               kill_grace: float) -> int:
-    lock = threading.Lock()
-    done: queue.Queue[_Worker] = queue.Queue()
-    workers: list[_Worker] = []
-    caught: list[int] = []
-    saved = _install_handlers(caught)
-    try:
-        for spec in specs:
-            if caught:
-                break
-            try:
-                proc = subprocess.Popen(list(command), env=worker_env(spec, job, os.environ),
-                                        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                        stderr=subprocess.PIPE, start_new_session=True)
-            except OSError as exc:
-                _stop_all(workers, kill_grace)
-                _err(f"cannot start rank {spec.rank}: {exc}; stopped {len(workers)} workers")
-                return 127
-            w = _Worker(spec, proc)
-            assert proc.stdout is not None and proc.stderr is not None
-            for stream, name in ((proc.stdout, "stdout"), (proc.stderr, "stderr")):
-                tag = f"[{spec.rank}]<{name}>: ".encode()
-                w.threads.append(threading.Thread(
-                    target=_pump, args=(stream, tag, name, lock), daemon=True))
-            w.threads.append(threading.Thread(target=_wait_and_report, args=(w, done), daemon=True))
-            for t in w.threads:
-                t.start()
-            workers.append(w)
-        failed: _Worker | None = None
-        finished = 0
-        while not caught and finished < len(workers):
-            try:
-                w = done.get(timeout=POLL_S)
-            except queue.Empty:
-                continue
-            finished += 1
-            if w.proc.returncode != 0:
-                failed = w
-                break
-        running = sum(1 for w in workers if w is not failed and w.proc.poll() is None)
-        signals_seen = len(caught)  # one more signal while stopping: SIGKILL at once
-        _stop_all(workers, kill_grace, hurry=lambda: len(caught) > signals_seen)
-        plural = "" if running == 1 else "s"
-        if failed is not None:
-            code = failed.proc.returncode
-            spec = failed.spec
-            _err(f"rank {spec.rank} (host {spec.host}, pid {failed.proc.pid}) "
-                 f"{_describe_exit(code)}; stopped {running} other worker{plural}")
-            return code if code > 0 else 128 - code
-        if caught:
-            sig = signal.Signals(caught[0])
-            _err(f"received {sig.name}; stopped the job ({running} running worker{plural})")
-            return 128 + sig.value
-        return 0
-    except BaseException:  # a bug of ours: never leave workers behind
-        _stop_all(workers, 0.0)
-        raise
-    finally:
-        for sig, old in saved.items():
-            signal.signal(sig, signal.SIG_DFL if old is None else old)  # type: ignore[arg-type]
+def _advertised_address(specs: Sequence[WorkerSpec], remote: HostRunner,
+                        network_interface: str | None) -> str:
+    """The address the store listens on and the workers are told (never all interfaces)."""
+    if network_interface:
+        return interface_address(network_interface)
+    hosts = list(dict.fromkeys(s.host for s in specs if not s.local))
+    if not hosts:
+        return LOCAL_ADDR
+    routes = {h: source_address(remote.address(h)) for h in hosts}
+    if len(set(routes.values())) > 1:
+        via = ", ".join(f"{h} via {a}" for h, a in routes.items())
+        raise LaunchError(f"the remote hosts are reached through different addresses of this "
+                          f"machine ({via}); choose one with --network-interface")
+    return next(iter(routes.values()))
 
 
 def launch(specs: Sequence[WorkerSpec], command: Sequence[str], *,
            forward: Mapping[str, str] | None = None, emulate_hosts: bool = False,
-           start_timeout_s: float = 120.0, kill_grace: float = 5.0,
-           verbose: bool = False) -> int:
-    """Run one job on this machine: start the store, the workers, wait; the job's exit code."""
+           start_timeout_s: float = 120.0, kill_grace: float = 5.0, verbose: bool = False,
+           settings: Mapping[str, str] | None = None, remote: HostRunner | None = None,
+           network_interface: str | None = None, output_dir: str | Path | None = None,
+           environ: Mapping[str, str] | None = None) -> int:
+    """Run one job: start the store, the workers, wait; the job's exit code.
+
+    ``remote`` starts the workers of hosts that are not this machine (default: ssh).
+    Raises :class:`LaunchError` before starting anything when the job cannot run.
+    """
     from ..core.auth import secret_bytes
     from ..core.rendezvous import StoreServer
 
-    secret = secrets.token_hex(32)
-    job_id = make_job_id()
-    store = StoreServer(secret_bytes(secret), host=LOCAL_ADDR, port=0)
-    store.start()
+    env = os.environ if environ is None else environ
+    remote = remote or SshRunner(grace=kill_grace, connect_timeout=start_timeout_s)
+    local = LocalRunner()
+    addr = _advertised_address(specs, remote, network_interface)
+    out_dir = Path(output_dir) if output_dir else None
+    if out_dir is not None:
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise LaunchError(f"--output-filename {out_dir}: {exc.strerror or exc}") from None
+    secret, job_id = secrets.token_hex(32), make_job_id()
+    store = StoreServer(secret_bytes(secret), host=addr, port=0).start()
+    watch = None
     try:
-        addr, port = store.address
+        port = int(store.address[1])
         with socket.socket() as sock:  # a free port for torch.distributed's own store
-            sock.bind((LOCAL_ADDR, 0))
+            sock.bind((addr, 0))
             master_port = int(sock.getsockname()[1])
-        job = Job(job_id=job_id, secret=secret, size=len(specs), rendezvous_addr=str(addr),
-                  rendezvous_port=int(port), master_addr=LOCAL_ADDR,
-                  master_port=master_port, start_timeout_s=start_timeout_s,
-                  emulate_hosts=emulate_hosts, forward=dict(forward or {}))
+        master_addr = addr if specs[0].local else remote.address(specs[0].host)
+        job = Job(job_id=job_id, secret=secret, size=len(specs), rendezvous_addr=addr,
+                  rendezvous_port=port, master_addr=master_addr, master_port=master_port,
+                  start_timeout_s=start_timeout_s, emulate_hosts=emulate_hosts,
+                  forward=dict(forward or {}), settings=dict(settings or {}))
+        bases = {True: dict(env), False: remote_base_env(env)}
         if verbose:
-            _err(f"job {job_id}: rendezvous {addr}:{port}, MASTER_PORT {master_port}")
+            err(f"job {job_id}: rendezvous {addr}:{port}, MASTER_ADDR {master_addr}:"
+                f"{master_port}")
             for s in specs:
-                _err(f"  rank {s.rank} -> host {s.host} (local rank {s.local_rank}/"
-                     f"{s.local_size}, cross rank {s.cross_rank}/{s.cross_size})")
-        return _supervise(specs, job, command, kill_grace)
+                how = "here" if s.local else f"via {remote.name}"
+                err(f"  rank {s.rank} -> host {s.host} ({how}; local rank {s.local_rank}/"
+                    f"{s.local_size}, cross rank {s.cross_rank}/{s.cross_size})")
+        watch = RendezvousWatch(addr, port, secret_bytes(secret), len(specs))
+        return supervise(Launch(
+            specs, list(command), runner_of=lambda s: local if s.local else remote,
+            env_of=lambda s: worker_env(s, job, bases[s.local]), cwd=os.getcwd(),
+            job_id=job_id, kill_grace=kill_grace, start_timeout_s=start_timeout_s,
+            watch=watch, output_dir=out_dir))
     finally:
+        if watch is not None:
+            watch.close()
         store.close()
-        for path in glob.glob(f"/dev/shm/shoal-{glob.escape(job_id)}-*"):  # left by a crash
-            with contextlib.suppress(OSError):
-                os.unlink(path)
+        for path in Path("/dev/shm").glob(f"shoal-{job_id}-*"):  # left by a crash
+            path.unlink(missing_ok=True)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``shoalrun`` command line."""
-    p = argparse.ArgumentParser(
-        prog="shoalrun", allow_abbrev=False,
-        usage="shoalrun -np N [-H host:slots,...] [options] command [args...]",
-        description="Start N workers of a shoal job (worker environment: pydoc "
-                    "shoal.runner.launch).")
-    p.add_argument("-np", "--num-proc", dest="np", type=int, required=True, metavar="N",
-                   help="number of workers")
-    p.add_argument("-H", "--hosts", help="host:slots[,...], filled in order (default: here)")
-    p.add_argument("--emulate-hosts", action="store_true",
-                   help="run every -H host on this machine as a simulated node")
-    p.add_argument("--start-timeout", type=float, metavar="S",
-                   help="longest wait for all ranks to join (default $SHOAL_START_TIMEOUT_S/120)")
-    p.add_argument("--kill-grace", type=float, default=5.0, metavar="S",
-                   help="seconds from SIGTERM to SIGKILL when stopping workers (default 5)")
-    p.add_argument("-x", dest="forward", action="append", default=[], metavar="NAME[=VALUE]",
-                   help="export a variable to the workers (repeatable)")
-    p.add_argument("-v", "--verbose", action="store_true", help="print the plan first")
-    p.add_argument("command", nargs=argparse.REMAINDER, help="the program and its arguments")
-    return p
+def _sagemaker(args: object, env: Mapping[str, str]) -> sagemaker.SageMaker | None:
+    wanted = getattr(args, "sagemaker", False)
+    implicit = not any(getattr(args, k) for k in ("np", "hosts", "hostfile"))
+    return sagemaker.load(env) if wanted or (implicit and sagemaker.detected(env)) else None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``shoalrun``; returns the job's exit code."""
-    parser = build_parser()
+    env = os.environ
     try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:  # --help, or a usage error already printed
-        return exc.code if isinstance(exc.code, int) else 2
-    command = args.command[1:] if args.command[:1] == ["--"] else list(args.command)
+        args, settings = options.parse(sys.argv[1:] if argv is None else argv, env)
+    except SystemExit as exc:  # --help
+        return exc.code if isinstance(exc.code, int) else ExitCode.USAGE
+    except LaunchError as exc:
+        err(f"error: {exc}")
+        return ExitCode.USAGE
+    if args.check_build:
+        from .checkbuild import check_build
+
+        return check_build()
+    for var in options.unknown_variables(env):
+        err(f"warning: ignoring unknown variable {var}")
+    command = list(args.command)
+    names = local_host_names()
     try:
+        knobs = {config.env_name(k) for k in config.KNOBS}
+        cfg = config.load({k: v for k, v in {**env, **settings}.items() if k in knobs})
+        sm = _sagemaker(args, env)
+        hosts = None
+        if sm is not None:
+            if args.hosts or args.hostfile:
+                raise LaunchError("--sagemaker takes its hosts from SageMaker; drop -H/--hostfile")
+            if sm.current_host != sm.master:
+                err(f"SageMaker host {sm.current_host}: waiting for the workers that "
+                    f"{sm.master} starts here")
+                from .bootstrap import MARKER_DIR
+
+                if sagemaker.wait_for_workers(Path(MARKER_DIR), cfg.start_timeout_s):
+                    return ExitCode.OK
+                err(f"no worker was started here within {cfg.start_timeout_s:g}s")
+                return ExitCode.START_TIMEOUT
+            hosts = [(h, sm.num_gpus) for h in sm.hosts]
+            args.np = args.np or sum(n for _, n in hosts)
+            args.network_interface = args.network_interface or sm.network_interface
+            command += sagemaker.hyperparameter_args(sm.hyperparameters)
+            names |= {sm.current_host}
         if not command:
             raise LaunchError("no command to run")
+        if args.hosts and args.hostfile:
+            raise LaunchError("give the hosts with -H or --hostfile, not both")
+        if args.hosts:
+            hosts = parse_hosts(args.hosts)
+        elif args.hostfile:
+            hosts = parse_hostfile(args.hostfile)
+        if args.np is None:
+            raise LaunchError("-np N is required (the number of workers)")
         if args.kill_grace < 0:
             raise LaunchError("--kill-grace must be >= 0")
-        start_timeout = (config.load().start_timeout_s if args.start_timeout is None
-                         else args.start_timeout)
-        hosts = parse_hosts(args.hosts) if args.hosts else None
-        specs = plan(args.np, hosts, emulate_hosts=args.emulate_hosts)
-        forward = parse_forward(args.forward, os.environ)
-    except ShoalError as exc:
-        parser.print_usage(sys.stderr)
-        _err(f"error: {exc}")
-        return 2
-    try:
+        specs = plan(args.np, hosts, emulate_hosts=args.emulate_hosts, local_names=names)
+        forward = parse_forward(args.forward, env)
+        remote = make_runner(args.host_runner, python=args.remote_python,
+                             grace=args.kill_grace, ssh_port=args.ssh_port,
+                             ssh_identity_file=args.ssh_identity_file,
+                             connect_timeout=cfg.start_timeout_s)
         return launch(specs, command, forward=forward, emulate_hosts=args.emulate_hosts,
-                      start_timeout_s=start_timeout, kill_grace=args.kill_grace,
-                      verbose=args.verbose)
+                      start_timeout_s=cfg.start_timeout_s, kill_grace=args.kill_grace,
+                      verbose=args.verbose, settings=settings, remote=remote,
+                      network_interface=args.network_interface,
+                      output_dir=args.output_filename, environ=env)
+    except (LaunchError, ConfigError) as exc:
+        err(f"error: {exc}")
+        return ExitCode.USAGE
     except ShoalError as exc:
-        _err(f"error: {exc}")
-        return 1
+        err(f"error: {exc}")
+        return ExitCode.ERROR

@@ -157,7 +157,7 @@ def _from_variable(o: Option, raw: str) -> Any:
 
 def _unknown_flag(flag: str) -> LaunchError:
     known = [f for o in OPTIONS for f in o.flags] + ["--help"]
-    close = difflib.get_close_matches(flag.split("=", 1)[0], known, n=1)
+    close = difflib.get_close_matches(flag.split("=", 1)[0], known, n=1, cutoff=0.7)
     hint = f"; did you mean {close[0]}?" if close else ""
     return LaunchError(f"unknown option {flag}{hint} (shoalrun's options go before the "
                        "command; see shoalrun --help)")

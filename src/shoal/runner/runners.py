@@ -26,6 +26,8 @@ from .common import LaunchError
 __all__ = ["RUNNERS", "HostRunner", "LocalRunner", "NetnsRunner", "SshRunner", "make_runner"]
 
 _BOOTSTRAP = Path(__file__).with_name("bootstrap.py")
+_STUB = "import json,sys;exec(json.loads(sys.stdin.buffer.readline()))"
+"""The remote command line: it runs the bootstrap's source, the first line on its stdin."""
 
 
 def _signal_name(number: int) -> str:
@@ -93,7 +95,7 @@ class _BootstrapRunner(HostRunner):
     def popen(self, host: str, argv: Sequence[str], env: Mapping[str, str],
               cwd: str) -> subprocess.Popen[bytes]:
         """Start the bootstrap on ``host``; its stdin stays open for the worker's lifetime."""
-        command = self._wrap(host, [self.python, "-c", _BOOTSTRAP.read_text()])
+        command = self._wrap(host, [self.python, "-c", _STUB])
         local_env = {k: v for k, v in os.environ.items() if not k.startswith("SHOAL_")}
         proc = subprocess.Popen(command, env=local_env, stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -102,7 +104,8 @@ class _BootstrapRunner(HostRunner):
                    "grace": self.grace}
         assert proc.stdin is not None
         try:
-            proc.stdin.write(json.dumps(payload).encode() + b"\n")
+            proc.stdin.write(json.dumps(_BOOTSTRAP.read_text()).encode() + b"\n"
+                             + json.dumps(payload).encode() + b"\n")
             proc.stdin.flush()
         except OSError:
             pass  # it died at once; its exit status and stderr tell why

@@ -13,6 +13,7 @@ import os
 import queue
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -95,8 +96,6 @@ def _write(out: IO[str], data: bytes) -> None:
 def _pump(w: _Worker, stream: IO[bytes], name: str, lock: threading.Lock) -> None:
     """Copy one worker stream line by line, tagged, to ``sys.<name>`` (and the rank's log);
     keep draining even when our own output is gone, so that the worker never blocks."""
-    import sys
-
     tag = f"[{w.spec.rank}]<{name}>: ".encode()
     with stream:
         for line in iter(stream.readline, b""):

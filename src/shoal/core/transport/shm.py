@@ -166,7 +166,11 @@ class ShmGroup:
                 now = time.monotonic()
                 if now >= next_check:
                     next_check = now + _LIVENESS_EVERY_S
-                    self._check_peers(pending, what, now - start)
+                    # re-read the flags first: a peer that finished this step and then left
+                    # (or exited) in the meantime owes us nothing
+                    pending = [p for p in pending if hdr[p][slot] < seq]
+                    if pending:
+                        self._check_peers(pending, what, now - start)
 
     def _check_peers(self, pending: list[int], what: str, waited: float) -> None:
         if self._hdr[self.me][_ABORT]:
