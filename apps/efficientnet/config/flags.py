@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     a = g.add_argument
     a("--batch_norm", choices=("default", "syncbn"), default="default")
     a("--drop_connect_rate", type=float, default=0.2)
+    a("--bn_momentum", type=float, default=0.99,
+      help="BatchNorm moving-average decay, TF convention (torch momentum = 1 - this)")
+    a("--bn_epsilon", type=float, default=1e-3)
     g = p.add_argument_group("data")
     a = g.add_argument
     a("--data_dir", default=None, help="TFRecords (train-*, validation-*) or train/<class>/")

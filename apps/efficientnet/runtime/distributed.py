@@ -118,6 +118,9 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer, dist: Dist,
                                                compression=compression(compression_name))
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
+    if compression_name == "bf16" and dist.device.type != "cuda":
+        raise ValueError("--compression bf16 with a ddp-* backend needs CUDA (torch's bf16 "
+                         "comm hook requires NCCL); use fp16, or --backend shoal")
     ids = [dist.device.index] if dist.device.type == "cuda" else None
     ddp = nn.parallel.DistributedDataParallel(model, device_ids=ids)
     hook = {"fp16": default_hooks.fp16_compress_hook,

@@ -36,10 +36,10 @@ from apps.efficientnet.runtime.losses import (
 from apps.efficientnet.runtime.metrics import latency_percentiles
 from apps.efficientnet.runtime.optim import LRSchedule, ModelEMA, build_optimizer
 
-__all__ = ["StepStats", "Trainer", "build_trainer", "evaluate", "image_size", "restore_trainer",
-           "train_step", "trainer_state"]
+__all__ = ["LATENCY_NAMES", "StepStats", "Trainer", "build_trainer", "evaluate", "image_size",
+           "restore_trainer", "train_step", "trainer_state"]
 
-_LATENCIES = {kind: [f"{kind}_latency_{s}" for s in ("mean", "p90", "p95", "p99")]
+LATENCY_NAMES = {kind: [f"{kind}_latency_{s}" for s in ("mean", "p90", "p95", "p99")]
               for kind in ("training", "eval")}
 _MEAN = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1) * 255
 _STD = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1) * 255
@@ -90,7 +90,9 @@ def build_trainer(args: argparse.Namespace, dist: Dist, steps_per_epoch: int) ->
     torch.manual_seed(args.seed)
     norm = hvd.SyncBatchNorm if args.batch_norm == "syncbn" else None
     model = efficientnet(args.arch, num_classes=args.num_classes, norm_layer=norm,
-                         drop_connect_rate=args.drop_connect_rate).to(dist.device)
+                         drop_connect_rate=args.drop_connect_rate,
+                         bn_momentum=1.0 - args.bn_momentum, bn_eps=args.bn_epsilon
+                         ).to(dist.device)
     global_batch = args.train_batch_size * dist.size
     base_lr = args.lr_init * global_batch / 256
     optimizer = build_optimizer(args.optimizer, model, base_lr, args.weight_decay,
@@ -175,7 +177,7 @@ def evaluate(tr: Trainer, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]
         times.append(time.perf_counter() - t0)
     elapsed = time.perf_counter() - start
     lat = latency_percentiles(times, "eval")
-    names = _LATENCIES["eval"]
+    names = LATENCY_NAMES["eval"]
     avg = average([loss_sum, c1, c5, n, n / max(elapsed, 1e-9)] +
                   [lat.get(k, 0.0) for k in names],
                   name=f"efficientnet.eval.{tr.step}")

@@ -1,0 +1,175 @@
+"""The modes of the application: train, eval, train_and_eval, training_benchmark.
+
+Every rank runs the same number of steps per epoch (the training stream repeats forever),
+logs statistics averaged over all ranks with ``hvd.oob_allreduce`` every ``--log_steps`` steps
+and at the end of each epoch, evaluates after each epoch in ``train_and_eval``, and saves a
+checkpoint every ``--save_checkpoint_freq`` epochs and at the end (rank 0 writes it). Rank 0
+shows a progress bar (on a terminal), prints the metrics, and appends them to
+``<model_dir>/<log_filename>`` as JSON lines; a ``SUMMARY`` line closes the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from apps.efficientnet.dataloader import Preprocess, build_dataset, make_loader
+from apps.efficientnet.runtime.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
+from apps.efficientnet.runtime.distributed import (
+    Dist,
+    average,
+    init_distributed,
+    shutdown_distributed,
+)
+from apps.efficientnet.runtime.metrics import MetricLogger, latency_percentiles
+from apps.efficientnet.runtime.trainer import (
+    LATENCY_NAMES,
+    Trainer,
+    build_trainer,
+    evaluate,
+    image_size,
+    restore_trainer,
+    train_step,
+    trainer_state,
+)
+
+__all__ = ["build_datasets", "run", "save", "train_epoch"]
+
+
+def build_datasets(args: argparse.Namespace, dist: Dist) -> tuple[Any, Any]:
+    """Training and (for modes that evaluate) evaluation datasets of this rank."""
+    size = image_size(args)
+    common = dict(rank=dist.rank, size=dist.size, seed=args.seed, num_classes=args.num_classes,
+                  synthetic=args.synthetic, label_offset=args.label_offset)
+    train_pp = Preprocess(size, True, args.crop_min_scale, args.random_flip,
+                          args.augmenter_name, args.raug_num_layers, args.raug_magnitude)
+    train = None
+    if args.mode != "eval":
+        train = build_dataset(args.train_data_dir, "train", train_pp,
+                              synthetic_length=100 * args.train_batch_size * dist.size,
+                              **common)
+    evaluation = None
+    if args.mode in ("eval", "train_and_eval"):
+        eval_pp = Preprocess(size, False, crop_fraction=args.eval_crop_fraction)
+        evaluation = build_dataset(args.eval_data_dir, "eval", eval_pp,
+                                   synthetic_length=10 * args.eval_batch_size * dist.size,
+                                   **common)
+    return train, evaluation
+
+
+def train_epoch(tr: Trainer, batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
+                logger: MetricLogger, warmup_steps: int = 1) -> dict[str, float]:
+    """``tr.steps_per_epoch`` steps; the epoch's statistics averaged over the ranks (the
+    first ``warmup_steps`` are left out of throughput and latency)."""
+    args, dist = tr.args, tr.dist
+    window = [0.0, 0.0, 0.0, 0.0]  # loss * count, top-1 hits, top-5 hits, count
+    total = [0.0, 0.0, 0.0, 0.0]
+    times: list[float] = []
+    bar = tqdm(total=tr.steps_per_epoch, desc=f"epoch {tr.epoch + 1}", leave=False,
+               disable=None if dist.is_root else True, dynamic_ncols=True)
+    lr = 0.0
+    for i in range(tr.steps_per_epoch):
+        t0 = time.perf_counter()
+        images, labels = next(batches)
+        s = train_step(tr, images, labels)
+        if i >= warmup_steps:
+            times.append(time.perf_counter() - t0)
+        lr = s.lr
+        for acc in (window, total):
+            acc[0] += s.loss * s.count
+            acc[1] += s.correct_top1
+            acc[2] += s.correct_top5
+            acc[3] += s.count
+        bar.update(1)
+        bar.set_postfix(loss=f"{s.loss:.3f}", refresh=False)
+        if args.log_steps and tr.step % args.log_steps == 0:
+            w = average(window, name=f"efficientnet.window.{tr.step}")
+            logger.log((tr.epoch + 1, tr.step), {
+                "training_loss": w[0] / w[3], "training_accuracy_top_1": 100 * w[1] / w[3],
+                "learning_rate": lr})
+            window = [0.0, 0.0, 0.0, 0.0]
+    bar.close()
+    per_worker = len(times) * args.train_batch_size / max(sum(times), 1e-9)
+    lat = latency_percentiles(times, "training")
+    names = LATENCY_NAMES["training"]
+    avg = average(total + [per_worker] + [lat.get(k, 0.0) for k in names],
+                  name=f"efficientnet.epoch.{tr.step}")
+    stats = {"training_loss": avg[0] / avg[3], "training_accuracy_top_1": 100 * avg[1] / avg[3],
+             "training_accuracy_top_5": 100 * avg[2] / avg[3],
+             "avg_exp_per_second_training": avg[4] * dist.size,
+             "avg_exp_per_second_training_per_worker": avg[4], "learning_rate": lr}
+    stats.update(zip(names, avg[5:], strict=True))
+    return stats
+
+
+def save(tr: Trainer, model_dir: str | os.PathLike[str]) -> Path | None:
+    """Checkpoint ``tr`` into ``model_dir`` (every rank calls; rank 0 writes)."""
+    state = trainer_state(tr)
+    if tr.dist.is_root:
+        return save_checkpoint(Path(model_dir) / CHECKPOINT_NAME, state)
+    return None
+
+
+def _run(args: argparse.Namespace, dist: Dist) -> dict[str, Any]:
+    if dist.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.local_size))
+    logger = MetricLogger(Path(args.model_dir) / args.log_filename, enabled=dist.is_root)
+    logger.log("PARAMETER", {**vars(args), "world_size": dist.size}, echo=False)
+    train_ds, eval_ds = build_datasets(args, dist)
+    global_batch = args.train_batch_size * dist.size
+    steps = args.steps_per_epoch or (max(1, train_ds.num_examples() // global_batch)
+                                     if train_ds is not None else 1)
+    tr = build_trainer(args, dist, steps)
+    logger.print(f"efficientnet: {args.arch} {args.mode} on {dist.size} rank(s) "
+                 f"({args.backend}, {dist.device}), image {image_size(args)}, global batch "
+                 f"{global_batch}, {steps} steps/epoch, peak lr {tr.schedule.base_lr:.4g}")
+    if args.resume_checkpoint:
+        restore_trainer(tr, load_checkpoint(args.resume_checkpoint) if dist.is_root else None)
+        logger.print(f"resumed from {args.resume_checkpoint}: epoch {tr.epoch}, step {tr.step}")
+
+    def eval_loader() -> Any:
+        return make_loader(eval_ds, args.eval_batch_size, args.num_workers, drop_last=False)
+
+    summary: dict[str, Any] = {}
+    if args.mode == "eval":
+        summary = evaluate(tr, eval_loader())
+    else:
+        batches = iter(make_loader(train_ds, args.train_batch_size, args.num_workers,
+                                   drop_last=True, pin_memory=dist.device.type == "cuda"))
+        benchmark = args.mode == "training_benchmark"
+        start, first = time.perf_counter(), tr.epoch
+        for _ in range(tr.epoch, args.max_epochs):
+            warmup = args.benchmark_warmup_steps if benchmark and tr.epoch == first else 1
+            stats = train_epoch(tr, batches, logger, min(warmup, tr.steps_per_epoch - 1))
+            tr.epoch += 1
+            logger.log((tr.epoch, tr.step), stats)
+            summary.update(stats)
+            if args.mode == "train_and_eval":
+                ev = evaluate(tr, eval_loader())
+                logger.log((tr.epoch, tr.step), ev)
+                summary.update(ev)
+            freq = args.save_checkpoint_freq
+            if not benchmark and ((freq and tr.epoch % freq == 0) or
+                                  tr.epoch == args.max_epochs):
+                save(tr, args.model_dir)
+        del batches
+        summary["training_time"] = time.perf_counter() - start
+    logger.log("SUMMARY", summary)
+    logger.close()
+    return summary
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Join the job, run ``args.mode``, leave the job; the final summary (on every rank)."""
+    dist = init_distributed(args.backend)
+    try:
+        return _run(args, dist)
+    finally:
+        shutdown_distributed(dist)
