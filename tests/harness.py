@@ -38,6 +38,8 @@ def free_port() -> int:
 
 def _worker(fn: Callable[..., Any], rank: int, size: int, host: str, port: int, job: str,
             settings: dict[str, Any], args: tuple, queue: Any) -> None:
+    import faulthandler
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the harness asks on a hang
     import shoal
     try:
         shoal.init(rank=rank, size=size, rendezvous_addr="127.0.0.1", rendezvous_port=port,
@@ -90,6 +92,11 @@ def run_ranks(fn: Callable[..., Any], n: int, *args: Any, hosts: Sequence[str] |
                 break
             continue
         outcomes[rank] = (status, value, text)
+    hung = [p for r, p in enumerate(procs) if r not in outcomes and p.is_alive()]
+    for p in hung:  # a hang: every thread's stack to stderr, for the report
+        os.kill(p.pid, signal.SIGUSR1)
+    if hung:
+        time.sleep(1.0)
     for p in procs:
         p.join(2.0)
         if p.is_alive():
