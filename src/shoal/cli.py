@@ -15,13 +15,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     bench = sub.add_parser("bench", help="measure shoal against its peers")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    from .bench import allreduce, cluster, exchange, report
+    from .bench import allreduce, cluster, exchange, report, train
     allreduce.add_arguments(bench_sub.add_parser(
         "allreduce", help="float32 allreduce, shoal vs torch gloo vs memcpy"))
     exchange.add_arguments(bench_sub.add_parser(
         "exchange", help="a real model's gradient exchange, shoal vs gloo"))
     cluster.add_arguments(bench_sub.add_parser(
         "cluster", help="allreduce across emulated nodes on a shaped link (root)"))
+    train.add_arguments(bench_sub.add_parser(
+        "train", help="end-to-end EfficientNet throughput, shoal vs DDP (source checkout)"))
     report.add_arguments(bench_sub.add_parser(
         "report", help="regenerate BENCHMARKS.md and its plots from the JSON results"))
     from .sim import cli as sim_cli
@@ -41,6 +43,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exchange.run(args)
     if args.bench == "cluster":
         return cluster.run(args)
+    if args.bench == "train":
+        return train.run(args)
     if args.bench == "report":
         return report.run(args)
     return 2  # pragma: no cover

@@ -129,6 +129,44 @@ def _cluster_section(data: dict[str, Any]) -> list[str]:
     return [*out, ""]
 
 
+def _train_section(data: dict[str, Any], plots: str) -> list[str]:
+    res = data["results"][0]
+    out = ["## End-to-end training throughput", "", f"Command: `{data['command']}`", "",
+           f"{res['arch']}, synthetic data, 1 intra-op thread per worker, {res['steps']} timed "
+           f"steps per job; images/s over all workers (median over trials); efficiency = "
+           f"throughput(N) / (N x throughput(1)).", "",
+           "| image size : batch/worker | backend | workers | images/s | efficiency |",
+           "|---|---|---:|---:|---:|"]
+    series = {}
+    for setting, per in res["settings"].items():
+        for backend, by_np in per.items():
+            one = by_np.get("1", {}).get("median")
+            for n, st in by_np.items():
+                eff = f"{st['median'] / (int(n) * one):.1%}" if one else "n/a"
+                out.append(f"| {setting} | {backend} | {n} | {st['median']:.1f} | {eff} |")
+                series.setdefault(f"{backend} @ {setting}", []).append((int(n), st["median"]))
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for label, points in series.items():
+            xs, ys = zip(*sorted(points), strict=True)
+            ax.plot(xs, ys, marker="o", label=label)
+        ax.set_xlabel("workers")
+        ax.set_ylabel("images / second")
+        ax.set_title("EfficientNet training throughput")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(os.path.join(plots, "train.png"), dpi=100)
+        plt.close(fig)
+        out += ["", f"![training throughput]({plots}/train.png)"]
+    except ImportError:
+        pass
+    return [*out, ""]
+
+
 def _generic_section(title: str, path: str) -> list[str]:
     with open(path) as f:
         text = f.read().rstrip()
@@ -146,12 +184,12 @@ def build(folder: str) -> str:
              "times are per-trial maxima over ranks, min (and median) over trials.", ""]
     first = None
     for name, section in (("allreduce", _allreduce_section), ("exchange", _exchange_section),
-                          ("cluster", _cluster_section)):
+                          ("cluster", _cluster_section), ("train", _train_section)):
         data = _load(folder, name)
         if data is None:
             continue
         first = first or data
-        lines += section(data, plots) if name == "allreduce" else section(data)
+        lines += section(data, plots) if name in ("allreduce", "train") else section(data)
     for path in sorted(glob.glob(os.path.join(folder, "*.txt"))):
         title = os.path.splitext(os.path.basename(path))[0].replace("-", " ").capitalize()
         lines += _generic_section(title, path)
