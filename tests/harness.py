@@ -19,7 +19,10 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
-_ctx = mp.get_context("fork")
+# forkserver, not fork: the test process may have run torch (OpenMP) already, and a forked
+# child of a process with a live OpenMP thread pool can deadlock in its first parallel region
+_ctx = mp.get_context("forkserver")
+_ctx.set_forkserver_preload(["numpy", "shoal", "harness"])
 
 
 class RankFailureError(AssertionError):

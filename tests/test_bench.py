@@ -58,3 +58,12 @@ def test_report_from_fixture(tmp_path) -> None:
         assert heading in text
     assert "| 4 KiB |" in text and "efficientnet-b0: 213 tensors" in text
     assert (folder / "plots" / "allreduce.png").stat().st_size > 1000
+
+
+def test_tiny_train_run(tmp_path) -> None:
+    out = tmp_path / "train.json"
+    proc = _shoal("bench", "train", "--np", "1", "--backends", "shoal", "--settings", "32:2",
+                  "--steps", "2", "--warmup", "1", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads(out.read_text())["results"][0]
+    assert res["settings"]["32:2"]["shoal"]["1"]["median"] > 0

@@ -120,16 +120,18 @@ def test_collectives_match_numpy(layout: str) -> None:
     assert all(r[0] == results[0][0] for r in results)
 
 
+def _single(rank: int) -> None:
+    import shoal
+    x = rank_input("single", 0, (9,), "float32")
+    assert_matches(shoal.allreduce(x), x, "float32", "size-1 allreduce")
+    assert shoal.allgather(x).shape == (9,)
+    assert shoal.broadcast_object("hi") == "hi"
+    assert (shoal.size(), shoal.rank(), shoal.local_size(), shoal.cross_size()) == \
+        (1, 0, 1, 1)
+
+
 def test_single_process_world() -> None:
-    def body(rank: int) -> None:
-        import shoal
-        x = rank_input("single", 0, (9,), "float32")
-        assert_matches(shoal.allreduce(x), x, "float32", "size-1 allreduce")
-        assert shoal.allgather(x).shape == (9,)
-        assert shoal.broadcast_object("hi") == "hi"
-        assert (shoal.size(), shoal.rank(), shoal.local_size(), shoal.cross_size()) == \
-            (1, 0, 1, 1)
-    run_ranks(body, 1)
+    run_ranks(_single, 1)
 
 
 def test_bfloat16_rounds_like_ml_dtypes() -> None:

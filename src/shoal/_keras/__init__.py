@@ -1,0 +1,74 @@
+"""One Keras implementation, served under both ``shoal.keras`` and ``shoal.tensorflow.keras``.
+
+Horovod's arrangement: everything Keras-specific is written once, in this package, and
+parametrised by the Keras module it serves (``import keras``, or ``tf.keras``, which is the
+same Keras 3 under TensorFlow 2.16+). :func:`install` fills an import path's namespace with
+that module's API; the two public packages are a few lines each.
+
+* ``optimizer``: ``DistributedOptimizer`` (a real subclass of the wrapped optimizer's class),
+* ``callbacks``: Horovod's four callbacks, bound to the module's ``Callback`` base,
+* ``values``: eager collectives on Keras values, returning numpy arrays.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, MutableMapping
+from types import ModuleType
+from typing import Any
+
+import shoal.core.api as _api
+from shoal.core import ops as _ops
+from shoal.core.compression import Compression
+
+from . import values
+from .callbacks import make_callbacks
+from .optimizer import create_distributed_optimizer, load_model
+
+__all__ = ["bind", "install"]
+
+_SHARED: dict[str, Any] = {  # the same objects on every import path
+    "Compression": Compression,
+    **{name: getattr(_ops, name) for name in ("Adasum", "Average", "Max", "Min", "Product",
+                                               "ReduceOp", "Sum")},
+    **{name: getattr(_api, name) for name in (
+        "allgather_object", "broadcast_object", "cross_rank", "cross_size", "init",
+        "is_initialized", "local_rank", "local_size", "rank", "shutdown", "size")},
+}
+
+
+def _bound(fn: Callable[..., Any], keras: ModuleType, name: str | None = None
+           ) -> Callable[..., Any]:
+    """``fn`` with its first parameter (the Keras module) filled in, keeping its name, doc
+    and (shortened) signature for ``help()``."""
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return fn(keras, *args, **kwargs)
+
+    sig = inspect.signature(fn)
+    call.__signature__ = sig.replace(parameters=list(sig.parameters.values())[1:])
+    if name:
+        call.__name__ = call.__qualname__ = name
+    return call
+
+
+@functools.cache
+def bind(keras: ModuleType) -> dict[str, dict[str, Any]]:
+    """The API for one Keras module: ``{"api": {...}, "callbacks": {...}}``."""
+    api = dict(_SHARED)
+    api["DistributedOptimizer"] = _bound(create_distributed_optimizer, keras,
+                                         "DistributedOptimizer")
+    for fn in (values.allreduce, values.allgather, values.broadcast,
+               values.broadcast_variables, load_model):
+        api[fn.__name__] = _bound(fn, keras)
+    return {"api": api, "callbacks": dict(make_callbacks(keras))}
+
+
+def install(keras: ModuleType, namespace: MutableMapping[str, Any], part: str = "api"
+            ) -> list[str]:
+    """Put ``keras``'s API (``part``: ``"api"`` or ``"callbacks"``) into a module's
+    namespace; returns the names, for its ``__all__``."""
+    names = bind(keras)[part]
+    namespace.update(names)
+    return sorted(names)

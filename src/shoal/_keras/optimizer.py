@@ -1,0 +1,156 @@
+"""Keras 3 ``DistributedOptimizer``: the wrapped optimizer's own class, plus one reduction.
+
+``DistributedOptimizer(opt)`` returns an instance of a real subclass of ``type(opt)`` (made
+once per optimizer class by an ordinary ``class`` statement, with zero-argument ``super()``,
+so it can itself be subclassed), built from ``opt.get_config()`` as Horovod does: it *is* a
+``keras.optimizers.SGD`` (or Adam, or the user's own class) for ``model.compile``, schedules,
+callbacks and checkpoints.
+
+Where the reduction happens: Keras 3 calls ``_clip_gradients`` exactly once per real update,
+on the gradients that update will use: after loss-scale unscaling, after its own gradient
+accumulation (``gradient_accumulation_steps``), before clipping and the update step. The
+mixin averages them across ranks there, as one grouped allreduce (one graph op inside the
+compiled train function). So clipping sees the global gradient (Horovod's order), and with
+``backward_passes_per_step=N`` (mapped onto Keras's accumulation) ranks communicate once per
+N batches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+from shoal.core.compression import Codec, Compression
+from shoal.core.ops import ReduceOp
+
+__all__ = [
+    "DistributedOptimizerMixin",
+    "Reduction",
+    "create_distributed_optimizer",
+    "distributed_class",
+    "load_model",
+]
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """How a distributed optimizer reduces its gradients."""
+
+    name: str
+    compression: Codec = Compression.none
+    op: ReduceOp = ReduceOp.AVERAGE
+    gradient_predivide_factor: float = 1.0
+
+    def __call__(self, grads: list[Any]) -> list[Any]:
+        """``grads`` reduced across ranks (``None`` entries stay ``None``)."""
+        import shoal
+        if shoal.size() == 1:
+            return list(grads)
+        from shoal.tensorflow.tape import reduce_gradients
+        return reduce_gradients(list(grads), compression=self.compression, op=self.op,
+                                gradient_predivide_factor=self.gradient_predivide_factor,
+                                name=self.name)
+
+
+class DistributedOptimizerMixin:
+    """Averages the gradients of every update across ranks (see the module docstring).
+
+    An instance made by ``from_config`` (a reloaded model) averages without compression.
+    """
+
+    _shoal_reduction: Reduction | None = None
+
+    def _clip_gradients(self, grads: list[Any]) -> list[Any]:
+        reduce = self._shoal_reduction or Reduction(type(self).__name__)
+        return super()._clip_gradients(reduce(grads))  # type: ignore[misc]
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def distributed_class(base: type) -> type:
+    """The distributed subclass of optimizer class ``base`` (one per class, cached)."""
+    cls = _CLASSES.get(base)
+    if cls is None:
+        class Distributed(DistributedOptimizerMixin, base):  # type: ignore[valid-type,misc]
+            __doc__ = f"{base.__name__} whose gradients are averaged over all shoal ranks."
+
+        Distributed.__name__ = Distributed.__qualname__ = f"Distributed{base.__name__}"
+        Distributed.__module__ = __name__
+        cls = _CLASSES[base] = Distributed
+    return cls
+
+
+def create_distributed_optimizer(keras: ModuleType, optimizer: Any, name: str | None = None,
+                                 device_dense: str = "", device_sparse: str = "",
+                                 compression: Codec = Compression.none,
+                                 sparse_as_dense: bool = False,
+                                 gradient_predivide_factor: float = 1.0,
+                                 op: ReduceOp = ReduceOp.AVERAGE,
+                                 backward_passes_per_step: int = 1,
+                                 average_aggregated_gradients: bool = True,
+                                 num_groups: int = 0, groups: Any = None,
+                                 process_set: Any = None) -> Any:
+    """Wrap a Keras 3 optimizer so that its updates use gradients averaged over all ranks.
+
+    ``name`` prefixes the collectives' names: give each distributed optimizer of a process
+    its own when several update in the same step. ``backward_passes_per_step=N`` accumulates
+    N batches locally (Keras's ``gradient_accumulation_steps``, which averages them) and
+    communicates once. ``device_*``, ``sparse_as_dense``, ``num_groups`` and ``groups`` are
+    accepted for Horovod compatibility (reductions run on the host, sparse gradients are
+    densified, the engine chooses fusion groups).
+    """
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise TypeError(f"DistributedOptimizer wraps a keras.optimizers.Optimizer, not "
+                        f"{type(optimizer).__name__}")
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        raise TypeError("wrap the inner optimizer instead: "
+                        "LossScaleOptimizer(DistributedOptimizer(optimizer)); a loss-scale "
+                        "optimizer delegates its updates and would bypass the reduction")
+    if keras.backend.backend() != "tensorflow":
+        raise NotImplementedError(f"shoal's Keras DistributedOptimizer needs the TensorFlow "
+                                  f"backend (KERAS_BACKEND=tensorflow), not "
+                                  f"{keras.backend.backend()!r}")
+    if not callable(getattr(keras.optimizers.Optimizer, "_clip_gradients", None)):
+        raise NotImplementedError(f"Keras {keras.__version__} has no Optimizer._clip_gradients, "
+                                  f"where shoal reduces gradients; use Keras 3.0 to 3.15")
+    if process_set is not None:
+        raise NotImplementedError("process sets are not supported yet")
+    if backward_passes_per_step < 1:
+        raise ValueError("backward_passes_per_step must be >= 1")
+    if not average_aggregated_gradients and backward_passes_per_step > 1:
+        raise NotImplementedError("average_aggregated_gradients=False is not supported: Keras "
+                                  "averages the accumulated gradients")
+    if optimizer.built:
+        raise ValueError("wrap the optimizer in DistributedOptimizer before it is built (before "
+                         "model.fit or optimizer.apply): its state would be lost")
+    from shoal.tensorflow.ops import reduction
+    reduction(op, None, gradient_predivide_factor)  # validate now
+    config = optimizer.get_config()
+    if backward_passes_per_step > 1:
+        if config.get("gradient_accumulation_steps"):
+            raise ValueError("pass either backward_passes_per_step or the optimizer's "
+                             "gradient_accumulation_steps, not both")
+        config["gradient_accumulation_steps"] = backward_passes_per_step
+    wrapped = distributed_class(type(optimizer)).from_config(config)
+    wrapped._shoal_reduction = Reduction(name or f"Distributed{type(optimizer).__name__}",
+                                         compression, ReduceOp(op), gradient_predivide_factor)
+    return wrapped
+
+
+def load_model(keras: ModuleType, filepath: str, custom_optimizers: list[type] | None = None,
+               custom_objects: dict[str, Any] | None = None,
+               compression: Codec = Compression.none) -> Any:
+    """Load a model saved with a ``DistributedOptimizer``; its optimizer (state included)
+    comes back distributed, with ``compression``. ``custom_optimizers`` lists the model's
+    optimizer class when it is not one of Keras's own."""
+    bases = [c for c in vars(keras.optimizers).values() if isinstance(c, type) and
+             issubclass(c, keras.optimizers.Optimizer)] + list(custom_optimizers or [])
+    objects = {distributed_class(c).__name__: distributed_class(c) for c in bases}
+    model = keras.models.load_model(filepath, custom_objects={**objects,
+                                                              **(custom_objects or {})})
+    optimizer = getattr(model, "optimizer", None)
+    if isinstance(optimizer, DistributedOptimizerMixin):
+        optimizer._shoal_reduction = Reduction(type(optimizer).__name__, compression)
+    return model
