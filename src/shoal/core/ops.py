@@ -72,6 +72,22 @@ def logical_dtype(array: np.ndarray, bf16: bool = False) -> str:
     return name
 
 
+def resolve_op(average: bool | None, op: ReduceOp | None) -> ReduceOp:
+    """Horovod's two spellings of the op: the deprecated ``average=`` flag, or ``op=``."""
+    if average is not None and op is not None:
+        raise ValueError("pass either average= (deprecated) or op=, not both")
+    if average is not None:
+        return ReduceOp.AVERAGE if average else ReduceOp.SUM
+    return ReduceOp.AVERAGE if op is None else ReduceOp(op)
+
+
+def no_process_sets(process_set: object) -> None:
+    """Adapters accept Horovod's ``process_set=`` argument but only the global set."""
+    if process_set is not None:
+        raise NotImplementedError("process sets are not supported yet: every collective runs "
+                                  "on all ranks; leave process_set=None")
+
+
 def check_array(array: object, what: str, rank: int, op: ReduceOp | None = None,
                 bf16: bool = False) -> str:
     """Validate a collective's input; return its logical dtype name.

@@ -15,7 +15,17 @@ import tensorflow as tf
 
 import shoal
 from shoal.core.compression import Codec, Compression
-from shoal.core.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
+from shoal.core.ops import (
+    Adasum,
+    Average,
+    Max,
+    Min,
+    Product,
+    ReduceOp,
+    Sum,
+    no_process_sets,
+    resolve_op,
+)
 
 from .bridge import run
 
@@ -46,11 +56,7 @@ def reduction(op: ReduceOp | None, average: bool | None = None,
     """``(op, prescale, postscale)`` for Horovod's ways of asking for a reduction: ``op=``,
     the deprecated ``average=``, and ``gradient_predivide_factor`` (divide by ``f`` before
     summing and by ``size / f`` after, to keep half-precision sums in range)."""
-    if average is not None and op is not None:
-        raise ValueError("pass either average= (deprecated) or op=, not both")
-    if op is None:
-        op = ReduceOp.SUM if average is False else ReduceOp.AVERAGE
-    op = ReduceOp(op)
+    op = resolve_op(average, op)
     if gradient_predivide_factor == 1.0:
         return op, 1.0, 1.0
     if op != ReduceOp.AVERAGE:
@@ -73,7 +79,7 @@ def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None,
     ``IndexedSlices`` are reduced as dense tensors. ``device_*`` are accepted for Horovod
     compatibility and ignored (reductions run on the host).
     """
-    _no_process_sets(process_set)
+    no_process_sets(process_set)
     op, pre, post = reduction(op, average)
     pre, post = pre * prescale_factor, post * postscale_factor
     grouped = len(tensors) != 1
@@ -105,7 +111,7 @@ def oob_allreduce(tensor: Any, name: str | None = None) -> tf.Tensor:
 
 def allgather(tensor: Any, name: str | None = None, process_set: Any = None) -> tf.Tensor:
     """Every rank's ``tensor`` concatenated along dimension 0 (lengths may differ)."""
-    _no_process_sets(process_set)
+    no_process_sets(process_set)
     tensor = tf.convert_to_tensor(tensor)
     if tensor.shape.rank == 0:
         raise ValueError("allgather needs a tensor with at least one dimension; reshape a "
@@ -135,7 +141,7 @@ def _broadcast_all(tensors: Sequence[Any], root_rank: int, name: str | None,
 def broadcast(tensor: Any, root_rank: int, name: str | None = None,
               process_set: Any = None) -> tf.Tensor:
     """``root_rank``'s ``tensor``, on every rank."""
-    _no_process_sets(process_set)
+    no_process_sets(process_set)
     return _broadcast_all([tensor], root_rank, name, "broadcast")[0]
 
 
@@ -146,7 +152,7 @@ def broadcast_variables(variables: Sequence[Any], root_rank: int = 0,
     Eagerly the assignment is done on return; in a graph the grouped assignment op is
     returned (``tf.function`` runs it).
     """
-    _no_process_sets(process_set)
+    no_process_sets(process_set)
     variables = list(variables)
     values = _broadcast_all([tf.convert_to_tensor(v) for v in variables], root_rank, name,
                             "broadcast_variables")
@@ -157,23 +163,18 @@ def broadcast_variables(variables: Sequence[Any], root_rank: int = 0,
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
                      process_set: Any = None) -> Any:
     """A picklable object sent from ``root_rank`` to every rank (eager code only)."""
-    _no_process_sets(process_set)
+    no_process_sets(process_set)
     return shoal.broadcast_object(obj, root_rank, name=name)
 
 
 def allgather_object(obj: Any, name: str | None = None, process_set: Any = None) -> list[Any]:
     """Every rank's picklable object, in rank order (eager code only)."""
-    _no_process_sets(process_set)
+    no_process_sets(process_set)
     return shoal.allgather_object(obj, name=name)
 
 
 def barrier(process_set: Any = None) -> None:
     """Wait until every rank arrives (eager code only)."""
-    _no_process_sets(process_set)
+    no_process_sets(process_set)
     shoal.barrier()
 
-
-def _no_process_sets(process_set: Any) -> None:
-    if process_set is not None:
-        raise NotImplementedError("process sets are not supported yet: every collective runs "
-                                  "on all ranks; leave process_set=None")

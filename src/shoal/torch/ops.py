@@ -16,7 +16,7 @@ import torch
 
 import shoal
 from shoal.core.compression import Codec, Compression
-from shoal.core.ops import ReduceOp
+from shoal.core.ops import ReduceOp, no_process_sets, resolve_op
 
 from .tensors import Staged, stage
 
@@ -82,14 +82,6 @@ class TorchHandle:
         return out if self.grouped else out[0]
 
 
-def _op(average: bool | None, op: ReduceOp | None) -> ReduceOp:
-    if average is not None and op is not None:
-        raise ValueError("pass either average= (deprecated) or op=, not both")
-    if average is not None:
-        return ReduceOp.AVERAGE if average else ReduceOp.SUM
-    return ReduceOp.AVERAGE if op is None else ReduceOp(op)
-
-
 def _allreduce_async(tensors: Sequence[torch.Tensor], *, inplace: bool, name: str | None,
                      op: ReduceOp, compression: Codec, prescale_factor: float,
                      postscale_factor: float, grouped: bool) -> TorchHandle:
@@ -110,8 +102,8 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
                     postscale_factor: float = 1.0, compression: Codec = Compression.none,
                     process_set: Any = None) -> TorchHandle:
     """Start reducing a copy of ``tensor`` across ranks (Average by default)."""
-    _no_process_sets(process_set)
-    return _allreduce_async([tensor], inplace=False, name=name, op=_op(average, op),
+    no_process_sets(process_set)
+    return _allreduce_async([tensor], inplace=False, name=name, op=resolve_op(average, op),
                             compression=compression, prescale_factor=prescale_factor,
                             postscale_factor=postscale_factor, grouped=False)
 
@@ -121,8 +113,8 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
                      postscale_factor: float = 1.0, compression: Codec = Compression.none,
                      process_set: Any = None) -> TorchHandle:
     """Start reducing ``tensor`` in place."""
-    _no_process_sets(process_set)
-    return _allreduce_async([tensor], inplace=True, name=name, op=_op(average, op),
+    no_process_sets(process_set)
+    return _allreduce_async([tensor], inplace=True, name=name, op=resolve_op(average, op),
                             compression=compression, prescale_factor=prescale_factor,
                             postscale_factor=postscale_factor, grouped=False)
 
@@ -151,8 +143,8 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | Non
                             compression: Codec = Compression.none,
                             process_set: Any = None) -> TorchHandle:
     """Start reducing copies of several tensors together (they are fused)."""
-    _no_process_sets(process_set)
-    return _allreduce_async(tensors, inplace=False, name=name, op=_op(average, op),
+    no_process_sets(process_set)
+    return _allreduce_async(tensors, inplace=False, name=name, op=resolve_op(average, op),
                             compression=compression, prescale_factor=prescale_factor,
                             postscale_factor=postscale_factor, grouped=True)
 
@@ -163,8 +155,8 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
                              compression: Codec = Compression.none,
                              process_set: Any = None) -> TorchHandle:
     """Start reducing several tensors in place, together."""
-    _no_process_sets(process_set)
-    return _allreduce_async(tensors, inplace=True, name=name, op=_op(average, op),
+    no_process_sets(process_set)
+    return _allreduce_async(tensors, inplace=True, name=name, op=resolve_op(average, op),
                             compression=compression, prescale_factor=prescale_factor,
                             postscale_factor=postscale_factor, grouped=True)
 
@@ -197,7 +189,7 @@ def oob_allreduce(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor
 def allgather_async(tensor: torch.Tensor, name: str | None = None,
                     process_set: Any = None) -> TorchHandle:
     """Concatenation of every rank's tensor along dim 0 (handle; sizes may differ)."""
-    _no_process_sets(process_set)
+    no_process_sets(process_set)
     s = stage(tensor)
     data = shoal.allgather(s.array, name=name)
     out = torch.from_numpy(data).view(torch.bfloat16) if s.bf16 else torch.from_numpy(data)
@@ -214,7 +206,7 @@ def allgather(tensor: torch.Tensor, name: str | None = None,
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                      process_set: Any = None) -> TorchHandle:
     """Start overwriting ``tensor`` with ``root_rank``'s values, in place."""
-    _no_process_sets(process_set)
+    no_process_sets(process_set)
     s = stage(tensor)
     return TorchHandle([shoal.broadcast_async(s.array, root_rank, name)], [s])
 
@@ -222,7 +214,7 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = No
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                     process_set: Any = None) -> TorchHandle:
     """Start broadcasting into a copy of ``tensor``."""
-    _no_process_sets(process_set)
+    no_process_sets(process_set)
     s = stage(tensor, copy=True)
     return TorchHandle([shoal.broadcast_async(s.array, root_rank, name)], [s])
 
@@ -243,7 +235,7 @@ def alltoall(tensor: torch.Tensor, splits: torch.Tensor | Sequence[int] | None =
              name: str | None = None,
              process_set: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Scatter row blocks of ``tensor`` to every rank, gather theirs: (data, received splits)."""
-    _no_process_sets(process_set)
+    no_process_sets(process_set)
     s = stage(tensor)
     if isinstance(splits, torch.Tensor):
         splits = splits.tolist()
@@ -255,7 +247,7 @@ def alltoall(tensor: torch.Tensor, splits: torch.Tensor | Sequence[int] | None =
 def reducescatter(tensor: torch.Tensor, op: ReduceOp = ReduceOp.AVERAGE,
                   name: str | None = None, process_set: Any = None) -> torch.Tensor:
     """Reduce across ranks and keep this rank's block of dim 0."""
-    _no_process_sets(process_set)
+    no_process_sets(process_set)
     s = stage(tensor, copy=True)
     shoal.allreduce(s.array, op=op, name=name, out=s.array, bf16=s.bf16)
     base, extra = divmod(tensor.shape[0], shoal.size())
@@ -287,7 +279,7 @@ def poll(handle: TorchHandle) -> bool:
 
 def barrier(process_set: Any = None) -> None:
     """Wait until every rank arrives."""
-    _no_process_sets(process_set)
+    no_process_sets(process_set)
     shoal.barrier()
 
 
@@ -302,8 +294,3 @@ def join(device: int = -1) -> int:
     everyone = allgather(stamp.view(1, 2), name="shoal.join")
     return int(everyone[int(torch.argmax(everyone[:, 0])), 1])
 
-
-def _no_process_sets(process_set: Any) -> None:
-    if process_set is not None:
-        raise NotImplementedError("process sets are not supported yet: every collective runs "
-                                  "on all ranks; leave process_set=None")
