@@ -8,46 +8,44 @@ from collections.abc import Sequence
 
 __all__ = ["main"]
 
+# subcommand -> help; each is a module with add_arguments(parser) and run(args) -> int
+_BENCH = {
+    "allreduce": "float32 allreduce, shoal vs torch gloo vs Open MPI vs memcpy",
+    "exchange": "a real model's gradient exchange, shoal vs gloo vs Horovod",
+    "cluster": "allreduce across emulated nodes on a shaped link (root)",
+    "train": "end-to-end EfficientNet throughput, shoal vs DDP (source checkout)",
+    "report": "regenerate BENCHMARKS.md and its plots from the JSON results",
+}
+
+
+def _config(_args: argparse.Namespace) -> int:
+    from .core.config import describe
+    print(describe())
+    return 0
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``shoal`` console script."""
+    import importlib
+
+    from .sim import cli as sim_cli
     parser = argparse.ArgumentParser(prog="shoal", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    bench = sub.add_parser("bench", help="measure shoal against its peers")
-    bench_sub = bench.add_subparsers(dest="bench", required=True)
-    from .bench import allreduce, cluster, exchange, report, train
-    allreduce.add_arguments(bench_sub.add_parser(
-        "allreduce", help="float32 allreduce, shoal vs torch gloo vs memcpy"))
-    exchange.add_arguments(bench_sub.add_parser(
-        "exchange", help="a real model's gradient exchange, shoal vs gloo"))
-    cluster.add_arguments(bench_sub.add_parser(
-        "cluster", help="allreduce across emulated nodes on a shaped link (root)"))
-    train.add_arguments(bench_sub.add_parser(
-        "train", help="end-to-end EfficientNet throughput, shoal vs DDP (source checkout)"))
-    report.add_arguments(bench_sub.add_parser(
-        "report", help="regenerate BENCHMARKS.md and its plots from the JSON results"))
-    from .sim import cli as sim_cli
-    sim_cli.add_arguments(sub.add_parser(
-        "sim", help="predict step time and scaling efficiency on M nodes x G workers"))
-    sub.add_parser("config", help="list every SHOAL_* setting with its default")
+    bench_sub = sub.add_parser("bench", help="measure shoal against its peers") \
+        .add_subparsers(dest="bench", required=True)
+    for name, text in _BENCH.items():
+        module = importlib.import_module(f"shoal.bench.{name}")
+        p = bench_sub.add_parser(name, help=text)
+        module.add_arguments(p)
+        p.set_defaults(run=module.run)
+    p = sub.add_parser("sim", help="predict step time and scaling efficiency on M nodes x G "
+                                   "workers")
+    sim_cli.add_arguments(p)
+    p.set_defaults(run=sim_cli.run)
+    sub.add_parser("config", help="list every SHOAL_* setting with its default") \
+        .set_defaults(run=_config)
     args = parser.parse_args(argv)
-    if args.command == "sim":
-        return sim_cli.run(args)
-    if args.command == "config":
-        from .core.config import describe
-        print(describe())
-        return 0
-    if args.bench == "allreduce":
-        return allreduce.run(args)
-    if args.bench == "exchange":
-        return exchange.run(args)
-    if args.bench == "cluster":
-        return cluster.run(args)
-    if args.bench == "train":
-        return train.run(args)
-    if args.bench == "report":
-        return report.run(args)
-    return 2  # pragma: no cover
+    return args.run(args)
 
 
 if __name__ == "__main__":
