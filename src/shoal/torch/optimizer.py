@@ -1,9 +1,10 @@
 """``DistributedOptimizer``: Horovod's semantics, with communication overlapping backward.
 
 Every parameter that requires a gradient gets a post-accumulate-grad hook. When a gradient is
-final for the step (after ``backward_passes_per_step`` backward passes), the hook hands it to
-the engine at once, in place, so its reduction runs while backward is still computing earlier
-layers; the engine fuses what is ready together. ``step()`` waits only for what is still in
+final for the step (after ``backward_passes_per_step`` backward passes), the hook puts it in its
+bucket (:mod:`shoal.torch.buckets`: flat buffers of about ``bucket_bytes``, in the order
+backward produces gradients); a full bucket goes to the engine at once, so its reduction runs
+while backward is still computing earlier layers. ``step()`` waits only for what is still in
 flight, then runs the wrapped optimizer.
 
 Parameters that got no gradient in a step (unused branches) are reduced as zeros at
@@ -24,7 +25,7 @@ import shoal
 from shoal.core.compression import Codec, Compression
 from shoal.core.ops import ReduceOp
 
-from .tensors import stage
+from .buckets import Buckets
 
 __all__ = ["DistributedOptimizer"]
 
@@ -34,14 +35,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     It *is* a ``torch.optim.Optimizer`` (learning-rate schedulers accept it) and shares the
     wrapped optimizer's ``param_groups`` and ``state``, so changes through either are seen by
-    both.
+    both. ``bucket_bytes`` (a shoal extension; default the ``SHOAL_BUCKET_BYTES`` knob, 2 MiB)
+    sizes the gradient buckets: smaller ones start reducing earlier in backward, larger ones
+    cost fewer round trips.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer,
                  named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
                  compression: Codec = Compression.none, backward_passes_per_step: int = 1,
                  op: ReduceOp = ReduceOp.AVERAGE, gradient_predivide_factor: float = 1.0,
-                 process_set: Any = None) -> None:
+                 process_set: Any = None, bucket_bytes: int | None = None) -> None:
         if process_set is not None:
             raise NotImplementedError("process sets are not supported yet")
         if backward_passes_per_step < 1:
@@ -58,20 +61,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
                          "_optimizer_load_state_dict_pre_hooks",
                          "_optimizer_load_state_dict_post_hooks"):
             setattr(self, registry, collections.OrderedDict())
-        self._compression = compression
         self._passes = backward_passes_per_step
-        self._op = op
-        self._predivide = gradient_predivide_factor
         self._names = self._name_parameters(named_parameters)
-        self._handles: dict[torch.nn.Parameter, tuple[shoal.Handle, Any]] = {}
         self._counts: dict[torch.nn.Parameter, int] = {}
         self._synchronized = False
         self._skip = False
         self._hooks = []
         self._check_same_model_everywhere()
-        for p in self._names:
-            if p.requires_grad:
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        trained = [p for p in self._names if p.requires_grad]
+        if bucket_bytes is None:
+            bucket_bytes = shoal.communicator().cfg.bucket_bytes
+        self._buckets = Buckets(trained, self._names, bucket_bytes, compression, op,
+                                gradient_predivide_factor)
+        for p in trained:
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
 
     # the wrapped optimizer's state is ours
     @property
@@ -129,40 +132,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _on_grad(self, p: torch.nn.Parameter) -> None:
         count = self._counts.get(p, 0) + 1
         self._counts[p] = count
-        if count < self._passes:
-            return
-        if p in self._handles:
+        if count == self._passes:
+            self._buckets.arrived(p)
+        elif count > self._passes:
             raise RuntimeError(f"rank {shoal.rank()}: gradient of {self._names[p]} was computed "
                                f"again before step(); call optimizer.step() (or "
                                f"synchronize()) between backward passes, or raise "
                                f"backward_passes_per_step")
-        self._submit(p)
-
-    def _submit(self, p: torch.nn.Parameter) -> None:
-        s = stage(p.grad)
-        op = self._op
-        if self._predivide != 1.0:
-            s.host.mul_(1.0 / self._predivide)
-            op = ReduceOp.SUM
-        handle = shoal.allreduce_async(s.array, op=op, name=self._names[p], out=s.array,
-                                       compression=self._compression, bf16=s.bf16)
-        self._handles[p] = (handle, s)
 
     def synchronize(self) -> None:
-        """Wait for every gradient's reduction (submitting the ones backward never produced)."""
-        for p in self._names:
-            if p.requires_grad and p not in self._handles:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                self._submit(p)
-        post = self._predivide / shoal.size() if self._predivide != 1.0 else 1.0
-        for _p, (handle, s) in self._handles.items():
-            handle.wait()
-            g = s.finish()
-            if post != 1.0:
-                g.mul_(post)
-        self._handles.clear()
-        self._counts.clear()
+        """Wait for every gradient's reduction (parameters backward gave no gradient are
+        reduced as zeros, so every rank reduces the same set)."""
+        try:
+            self._buckets.finish()
+        finally:
+            self._counts.clear()
         self._synchronized = True
 
     @contextlib.contextmanager
@@ -183,9 +167,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients; refused while reductions are in flight (they would be lost)."""
-        if self._handles:
+        if self._buckets.in_flight:
             raise RuntimeError(f"rank {shoal.rank()}: zero_grad() called with "
-                               f"{len(self._handles)} gradient reductions in flight; call "
+                               f"{self._buckets.in_flight} gradient buckets in flight; call "
                                f"step() or synchronize() first")
         self._inner.zero_grad(set_to_none=set_to_none)
 

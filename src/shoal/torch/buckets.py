@@ -1,0 +1,191 @@
+"""Gradient buckets: one reduction per group of parameters instead of one per parameter.
+
+A model such as EfficientNet-B0 has over two hundred parameter tensors, most of them small;
+handing each to the engine costs a Python round trip, a negotiation bit and a handle per
+tensor, which on a CPU worker is a visible share of the step. :class:`Buckets` packs the
+gradients into flat buffers of about ``bucket_bytes`` each, in the order backward produces them
+(reverse registration order first; the order actually seen in the first step from then on, as
+rank 0 saw it, so all ranks agree), and submits a bucket the moment its last gradient arrives.
+
+After the reduction each parameter's ``.grad`` *is* a view of its slice of the bucket (what
+DDP calls ``gradient_as_bucket_view``), so when gradients are zeroed in place rather than set to
+None, backward accumulates straight into the buffer and the copy-in disappears.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+import shoal
+from shoal.core.compression import Codec
+from shoal.core.ops import ReduceOp
+
+from .tensors import Staged, stage
+
+__all__ = ["Buckets"]
+
+
+@dataclass
+class _Bucket:
+    """Parameters sharing one flat buffer (same device and dtype), and its reduction."""
+
+    name: str
+    params: list[torch.nn.Parameter]
+    offsets: list[int]
+    flat: torch.Tensor
+    views: list[torch.Tensor]                       # each parameter's slice, in its shape
+    marks: set[int] = field(default_factory=set)    # which gradients have arrived this step
+    handle: shoal.Handle | None = None
+    staged: Staged | None = None
+
+
+class Buckets:
+    """The gradient buckets of one optimizer; see the module docstring."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], names: dict[torch.nn.Parameter, str],
+                 bucket_bytes: int, compression: Codec, op: ReduceOp,
+                 predivide: float) -> None:
+        self._params = list(params)   # registration order; the reverse is the first guess
+        self._names = names
+        self._bucket_bytes = max(1, int(bucket_bytes))
+        self._compression = compression
+        self._op = op
+        self._predivide = predivide
+        self._generation = 0
+        self._arrival: list[int] | None = []   # first step's order; None once settled
+        self._index = {p: i for i, p in enumerate(self._params)}
+        self._build(list(reversed(range(len(self._params)))))
+
+    # -- layout ----------------------------------------------------------------------------
+    def _build(self, order: list[int]) -> None:
+        """(Re)build the buckets over the parameters in ``order``; only between steps."""
+        groups: dict[tuple[torch.device, torch.dtype], list[list[int]]] = {}
+        sizes: dict[tuple[torch.device, torch.dtype], int] = {}
+        for i in order:
+            p = self._params[i]
+            key = (p.device, p.dtype)
+            nbytes = p.numel() * p.element_size()
+            runs = groups.setdefault(key, [[]])
+            if runs[-1] and sizes[key] + nbytes > self._bucket_bytes:
+                runs.append([])
+                sizes[key] = 0
+            runs[-1].append(i)
+            sizes[key] = sizes.get(key, 0) + nbytes
+        self._buckets: list[_Bucket] = []
+        self._where: dict[torch.nn.Parameter, tuple[_Bucket, int]] = {}
+        # buckets ordered by when their first parameter is expected, whatever their dtype
+        position = {i: k for k, i in enumerate(order)}
+        runs = sorted((run for rs in groups.values() for run in rs),
+                      key=lambda r: position[r[0]])
+        for k, run in enumerate(runs):
+            ps = [self._params[i] for i in run]
+            offsets, total = [], 0
+            for p in ps:
+                offsets.append(total)
+                total += p.numel()
+            flat = torch.zeros(total, dtype=ps[0].dtype, device=ps[0].device)
+            views = [flat[o:o + p.numel()].view(p.shape) for o, p in zip(offsets, ps,
+                                                                          strict=True)]
+            b = _Bucket(f"grad.bucket.g{self._generation}.{k}", ps, offsets, flat, views)
+            self._buckets.append(b)
+            for j, p in enumerate(ps):
+                self._where[p] = (b, j)
+        self._generation += 1
+
+    @property
+    def count(self) -> int:
+        """How many buckets there are now."""
+        return len(self._buckets)
+
+    @property
+    def in_flight(self) -> int:
+        """How many buckets have been submitted and not yet waited for."""
+        return sum(b.handle is not None for b in self._buckets)
+
+    # -- one step --------------------------------------------------------------------------
+    def arrived(self, p: torch.nn.Parameter) -> None:
+        """``p.grad`` is final for this step: copy it into its bucket; submit a full bucket.
+
+        The caller makes sure this happens once per parameter and step."""
+        b, j = self._where[p]
+        grad = p.grad
+        if grad.is_sparse:
+            raise TypeError(f"rank {shoal.rank()}: {self._names[p]} has a sparse gradient; "
+                            f"DistributedOptimizer reduces dense gradients only")
+        view = b.views[j]
+        if grad.data_ptr() != view.data_ptr():
+            view.copy_(grad)
+        b.marks.add(j)
+        if self._arrival is not None:
+            self._arrival.append(self._index[p])
+        if len(b.marks) == len(b.params):
+            self._submit(b)
+
+    def _submit(self, b: _Bucket) -> None:
+        s = stage(b.flat)
+        op = self._op
+        if self._predivide != 1.0:
+            s.host.mul_(1.0 / self._predivide)
+            op = ReduceOp.SUM
+        b.handle = shoal.allreduce_async(s.array, op=op, name=b.name, out=s.array,
+                                         compression=self._compression, bf16=s.bf16)
+        b.staged = s
+
+    def finish(self) -> None:
+        """Submit what backward left incomplete (missing gradients count as zeros), wait for
+        every bucket and point each ``.grad`` at its reduced slice."""
+        for b in self._buckets:
+            if b.handle is None:
+                for j in range(len(b.params)):
+                    if j not in b.marks:
+                        b.views[j].zero_()
+                self._submit(b)
+        post = self._predivide / shoal.size() if self._predivide != 1.0 else 1.0
+        error: BaseException | None = None
+        for b in self._buckets:
+            assert b.handle is not None and b.staged is not None
+            try:
+                b.handle.wait()
+            except BaseException as exc:  # wait for the rest, then raise the first failure
+                error = error or exc
+                continue
+            finally:
+                b.handle = None
+                b.marks.clear()
+            b.staged.finish()
+            if post != 1.0:
+                b.flat.mul_(post)
+            for j, p in enumerate(b.params):
+                if p.grad is None or p.grad.data_ptr() != b.views[j].data_ptr():
+                    p.grad = b.views[j]
+        if error is not None:
+            raise error
+        self._settle_order()
+
+    def _settle_order(self) -> None:
+        """After the first step, rebuild along the order backward really produced gradients,
+        as rank 0 saw it (every rank must bucket alike)."""
+        if self._arrival is None:
+            return
+        seen, self._arrival = self._arrival, None
+        order = list(dict.fromkeys(seen))
+        order += [i for i in reversed(range(len(self._params))) if i not in set(order)]
+        order = shoal.broadcast_object(order, root_rank=0, name="shoal.torch.buckets.order")
+        current = [self._index[p] for b in self._buckets for p in b.params]
+        if order != current:
+            grads = {p: p.grad for p in self._params}
+            self._build(order)
+            for p, g in grads.items():  # keep the reduced values, now in the new buffers
+                if g is not None:
+                    b, j = self._where[p]
+                    b.views[j].copy_(g)
+                    p.grad = b.views[j]
+
+    def describe(self) -> list[dict[str, Any]]:
+        """Each bucket's name, parameter names and size in bytes (for logs and tests)."""
+        return [{"name": b.name, "params": [self._names[p] for p in b.params],
+                 "bytes": b.flat.numel() * b.flat.element_size()} for b in self._buckets]
