@@ -34,6 +34,7 @@ from .core.api import (
     reducescatter,
     shutdown,
     size,
+    timeline_range,
     world,
 )
 from .core.errors import (
@@ -53,5 +54,5 @@ __all__ = [
     "allgather", "allgather_object", "allreduce", "allreduce_async", "alltoall", "barrier",
     "broadcast", "broadcast_async", "broadcast_object", "communicator", "cross_rank",
     "cross_size", "init", "is_initialized", "local_rank", "local_size", "rank", "reducescatter",
-    "shutdown", "size", "world",
+    "shutdown", "size", "timeline_range", "world",
 ]

@@ -50,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
       type=lambda s: s if s.startswith("efficientnet-") else f"efficientnet-{s}")
     a("--num_classes", type=int, default=1000)
     a("--image_size", type=int, default=None, help="input resolution (default: the variant's)")
-    a("--backend", choices=("shoal", "ddp-gloo", "ddp-shoal"), default="shoal")
+    a("--backend", choices=("shoal", "ddp-gloo", "ddp-shoal", "horovod"), default="shoal",
+      help="horovod: Horovod's own horovod.torch, under horovodrun (the comparison run)")
     a("--compression", choices=("none", "fp16", "bf16"), default="none",
       help="gradient compression on the wire")
     flag(g, "--use_amp", "autocast: bf16 on CPU, fp16 with a GradScaler on CUDA")

@@ -1,12 +1,15 @@
-"""The three ways the application can run data-parallel, behind one small interface.
+"""The four ways the application can run data-parallel, behind one small interface.
 
 * ``shoal``: Horovod style: ``hvd.DistributedOptimizer`` averages gradients while backward
   runs; the initial weights and optimizer state are broadcast from rank 0.
 * ``ddp-gloo``: stock ``torch.nn.parallel.DistributedDataParallel`` over torch's gloo.
 * ``ddp-shoal``: stock DDP over the ``"shoal"`` ``torch.distributed`` backend.
+* ``horovod``: the same code as ``shoal`` on Horovod's own ``horovod.torch`` (start it with
+  ``horovodrun``; ``scripts/install-peers.sh`` builds Horovod into ``.peers/venv``). shoal's
+  torch API is Horovod's, so the module is the only difference: this is the comparison run.
 
-shoal is initialised in every case: it tells each process its rank, carries the statistics
-(``hvd.oob_allreduce``) and SyncBatchNorm, and bootstraps gloo's store.
+For the others shoal is initialised too: it tells each process its rank, carries the
+statistics (``hvd.oob_allreduce``) and SyncBatchNorm, and bootstraps gloo's store.
 """
 
 from __future__ import annotations
@@ -19,12 +22,25 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 
-import shoal.torch as hvd
+import shoal.torch
 
 __all__ = ["BACKENDS", "Dist", "average", "compression", "init_distributed",
            "shutdown_distributed", "unwrap", "wrap"]
 
-BACKENDS = ("shoal", "ddp-gloo", "ddp-shoal")
+BACKENDS = ("shoal", "ddp-gloo", "ddp-shoal", "horovod")
+
+#: The Horovod-style module the job runs on (``shoal.torch``, or ``horovod.torch``).
+hvd: Any = shoal.torch
+
+
+def _horovod() -> Any:
+    try:
+        import horovod.torch
+    except ImportError as exc:
+        raise RuntimeError(f"--backend horovod needs Horovod ({exc}); scripts/install-peers.sh "
+                           f"builds it into .peers/venv: run .peers/venv/bin/horovodrun -np N "
+                           f"--gloo .peers/venv/bin/python -m apps.efficientnet.main ...") from None
+    return horovod.torch
 
 
 @dataclass(frozen=True)
@@ -37,6 +53,7 @@ class Dist:
     local_rank: int
     local_size: int
     device: torch.device
+    hvd: Any = shoal.torch   # the Horovod-style API module this job runs on
 
     @property
     def is_root(self) -> bool:
@@ -66,8 +83,10 @@ def init_distributed(backend: str = "shoal", device: str | None = None) -> Dist:
         ValueError: ``backend`` is unknown.
         RuntimeError: ``ddp-shoal`` was asked for but this shoal has no torch backend.
     """
+    global hvd
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; use one of {', '.join(BACKENDS)}")
+    hvd = _horovod() if backend == "horovod" else shoal.torch
     hvd.init()
     rank, size, local_rank = hvd.rank(), hvd.size(), hvd.local_rank()
     if device is None:
@@ -86,30 +105,31 @@ def init_distributed(backend: str = "shoal", device: str | None = None) -> Dist:
     elif backend == "ddp-gloo" and not tdist.is_initialized():
         tdist.init_process_group("gloo", store=_gloo_store(rank, size), rank=rank,
                                  world_size=size)
-    return Dist(backend, rank, size, local_rank, hvd.local_size(), dev)
+    return Dist(backend, rank, size, local_rank, hvd.local_size(), dev, hvd)
 
 
 def shutdown_distributed(dist: Dist) -> None:
     """Leave the torch.distributed group (if any) and the shoal job."""
-    if dist.backend != "shoal" and tdist.is_initialized():
+    if dist.backend.startswith("ddp-") and tdist.is_initialized():
         tdist.destroy_process_group()
     hvd.shutdown()
 
 
 def compression(name: str) -> Any:
     """``hvd.Compression`` codec for ``fp16`` / ``bf16`` / ``none``."""
-    try:
-        return {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16,
-                "bf16": hvd.Compression.bf16}[name]
-    except KeyError:
-        raise ValueError(f"unknown compression {name!r}; use fp16, bf16 or none") from None
+    if name not in ("none", "fp16", "bf16"):
+        raise ValueError(f"unknown compression {name!r}; use fp16, bf16 or none")
+    codec = getattr(hvd.Compression, name, None)
+    if codec is None:
+        raise ValueError(f"{hvd.__name__} has no Compression.{name}; use fp16 or none")
+    return codec
 
 
 def wrap(model: nn.Module, optimizer: torch.optim.Optimizer, dist: Dist,
          compression_name: str = "none") -> tuple[nn.Module, torch.optim.Optimizer]:
     """Make ``model`` / ``optimizer`` data-parallel, with every rank starting from rank 0's
     weights and optimizer state."""
-    if dist.backend == "shoal":
+    if not dist.backend.startswith("ddp-"):
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         hvd.broadcast_optimizer_state(optimizer, root_rank=0)
         if dist.size == 1:
@@ -136,9 +156,11 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def average(values: list[float], name: str) -> list[float]:
-    """Average ``values`` over all ranks (``hvd.oob_allreduce``; every rank must call it)."""
+    """Average ``values`` over all ranks (``hvd.oob_allreduce``, Horovod's plain allreduce on
+    Horovod; every rank must call it)."""
     t = torch.tensor(values, dtype=torch.float64)
     if hvd.size() == 1:
         return t.tolist()
-    return hvd.oob_allreduce(t, name=name).tolist()
+    reduce = getattr(hvd, "oob_allreduce", hvd.allreduce)
+    return reduce(t, name=name).tolist()
 

@@ -21,7 +21,6 @@ import numpy as np
 import torch
 from torch import nn
 
-import shoal.torch as hvd
 from apps.efficientnet.config.variants import get_variant
 from apps.efficientnet.model import efficientnet
 from apps.efficientnet.runtime.checkpoint import capture_rng, restore_rng
@@ -35,6 +34,7 @@ from apps.efficientnet.runtime.losses import (
 )
 from apps.efficientnet.runtime.metrics import latency_percentiles
 from apps.efficientnet.runtime.optim import LRSchedule, ModelEMA, build_optimizer
+from shoal import timeline_range
 
 __all__ = ["LATENCY_NAMES", "StepStats", "Trainer", "build_trainer", "evaluate", "image_size",
            "restore_trainer", "train_step", "trainer_state"]
@@ -88,7 +88,7 @@ def build_trainer(args: argparse.Namespace, dist: Dist, steps_per_epoch: int) ->
     """Model, optimizer, schedule, EMA and scaler for ``args``; every rank starts from rank
     0's weights."""
     torch.manual_seed(args.seed)
-    norm = hvd.SyncBatchNorm if args.batch_norm == "syncbn" else None
+    norm = dist.hvd.SyncBatchNorm if args.batch_norm == "syncbn" else None
     model = efficientnet(args.arch, num_classes=args.num_classes, norm_layer=norm,
                          drop_connect_rate=args.drop_connect_rate,
                          bn_momentum=1.0 - args.bn_momentum, bn_eps=args.bn_epsilon
@@ -134,12 +134,15 @@ def train_step(tr: Trainer, images: torch.Tensor, labels: torch.Tensor) -> StepS
     x, targets = mixup(x, targets, sample_mixup_lambda(args.mixup_alpha, tr.np_rng))
     lr = tr.schedule.apply(opt, tr.step)
     opt.zero_grad(set_to_none=True)
-    with _autocast(tr):
-        logits = tr.forward(x)
-    loss = soft_cross_entropy(logits, targets)
+    with timeline_range("FORWARD"):
+        with _autocast(tr):
+            logits = tr.forward(x)
+        loss = soft_cross_entropy(logits, targets)
     if tr.scaler is None:
-        loss.backward()
-        opt.step()
+        with timeline_range("BACKWARD"):
+            loss.backward()
+        with timeline_range("STEP"):
+            opt.step()
     else:
         tr.scaler.scale(loss).backward()
         if hasattr(opt, "synchronize"):  # Horovod's recipe for AMP with DistributedOptimizer
@@ -191,7 +194,7 @@ def evaluate(tr: Trainer, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]
 
 def trainer_state(tr: Trainer) -> dict[str, Any]:
     """A checkpoint of ``tr`` (every rank must call it: RNG states are gathered)."""
-    rng = hvd.allgather_object(capture_rng(tr.np_rng), name=f"efficientnet.rng.{tr.step}")
+    rng = tr.dist.hvd.allgather_object(capture_rng(tr.np_rng), name=f"efficientnet.rng.{tr.step}")
     return {"model": unwrap(tr.model).state_dict(), "optimizer": tr.optimizer.state_dict(),
             "ema": tr.ema.state_dict() if tr.ema is not None else None,
             "scaler": tr.scaler.state_dict() if tr.scaler is not None else None,
@@ -201,7 +204,7 @@ def trainer_state(tr: Trainer) -> dict[str, Any]:
 def restore_trainer(tr: Trainer, state: dict[str, Any] | None) -> None:
     """Load a checkpoint that rank 0 read (``state`` may be None elsewhere) on every rank."""
     if tr.dist.size > 1:
-        state = hvd.broadcast_object(state, root_rank=0, name="efficientnet.resume")
+        state = tr.dist.hvd.broadcast_object(state, root_rank=0, name="efficientnet.resume")
     if state is None:
         raise ValueError("restore_trainer: rank 0 has no checkpoint to send")
     unwrap(tr.model).load_state_dict(state["model"])

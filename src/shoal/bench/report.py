@@ -8,6 +8,7 @@ BENCHMARKS.md is edited by hand.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import json
 import os
@@ -129,41 +130,99 @@ def _cluster_section(data: dict[str, Any]) -> list[str]:
     return [*out, ""]
 
 
-def _train_section(data: dict[str, Any], plots: str) -> list[str]:
-    res = data["results"][0]
-    out = ["## End-to-end training throughput", "", f"Command: `{data['command']}`", "",
-           f"{res['arch']}, synthetic data, 1 intra-op thread per worker, {res['steps']} timed "
-           f"steps per job; images/s over all workers (median over trials); efficiency = "
-           f"throughput(N) / (N x throughput(1)).", "",
-           "| image size : batch/worker | backend | workers | images/s | efficiency |",
-           "|---|---|---:|---:|---:|"]
-    series = {}
-    for setting, per in res["settings"].items():
-        for backend, by_np in per.items():
-            one = by_np.get("1", {}).get("median")
-            for n, st in by_np.items():
-                eff = f"{st['median'] / (int(n) * one):.1%}" if one else "n/a"
-                out.append(f"| {setting} | {backend} | {n} | {st['median']:.1f} | {eff} |")
-                series.setdefault(f"{backend} @ {setting}", []).append((int(n), st["median"]))
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for label, points in series.items():
-            xs, ys = zip(*sorted(points), strict=True)
-            ax.plot(xs, ys, marker="o", label=label)
+_TRAIN_ORDER = ("shoal", "ddp-shoal", "ddp-gloo", "horovod")
+
+
+def _train_table(data: dict[str, Any]) -> list[str]:
+    rows: dict[tuple[str, str, str, int], dict[str, dict[str, Any]]] = {}
+    for r in data["results"]:
+        rows.setdefault((r["arch"], r["setting"], r["variant"], r["np"]), {})[r["backend"]] = r
+    backends = [b for b in _TRAIN_ORDER if any(b in per for per in rows.values())]
+    peers = [b for b in ("ddp-gloo", "horovod") if b in backends and "shoal" in backends]
+    head = ["model", "size : batch", "variant", "workers",
+            *[f"{b} img/s (eff.)" for b in backends], *[f"shoal / {p}" for p in peers]]
+    out = ["| " + " | ".join(head) + " |",
+           "|---|---|---|---:|" + "---:|" * (len(backends) + len(peers))]
+    for (arch, setting, variant, n), per in rows.items():
+        cells = []
+        for b in backends:
+            r = per.get(b)
+            eff = f" ({r['efficiency']:.0%})" if r and r.get("efficiency") else ""
+            cells.append(f"{r['median']:.1f}{eff}" if r else "n/a")
+        for p in peers:
+            a, c = per.get("shoal"), per.get(p)
+            cells.append(f"{a['median'] / c['median']:.2f}x" if a and c else "n/a")
+        over = " (oversubscribed)" if any(r["oversubscribed"] for r in per.values()) else ""
+        out.append(f"| {arch.replace('efficientnet-', '')} | {setting} | {variant} | {n}{over} | "
+                   + " | ".join(cells) + " |")
+    return out
+
+
+def _train_plots(data: dict[str, Any], plots: str) -> list[str]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    panels: dict[str, dict[str, list[tuple[int, float]]]] = {}
+    for r in data["results"]:
+        key = f"{r['arch'].replace('efficientnet-', '')} {r['setting']} {r['variant']}"
+        panels.setdefault(key, {}).setdefault(r["backend"], []).append((r["np"], r["median"]))
+    out = []
+    cols = min(3, len(panels))
+    fig, axes = plt.subplots((len(panels) + cols - 1) // cols, cols,
+                             figsize=(4.2 * cols, 3.2 * ((len(panels) + cols - 1) // cols)),
+                             squeeze=False)
+    for ax, (title, series) in zip(axes.flat, panels.items(), strict=False):
+        for backend in [b for b in _TRAIN_ORDER if b in series]:
+            xs, ys = zip(*sorted(series[backend]), strict=True)
+            ax.plot(xs, ys, marker="o", label=backend)
+        ax.set_title(title, fontsize=9)
         ax.set_xlabel("workers")
-        ax.set_ylabel("images / second")
-        ax.set_title("EfficientNet training throughput")
+        ax.set_ylabel("images / s")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(os.path.join(plots, "train.png"), dpi=100)
+    plt.close(fig)
+    out += ["", f"![training throughput]({plots}/train.png)"]
+    shown = [o for o in data.get("overlap", []) if o.get("excerpt")]
+    if shown:
+        from .overlap import plot_excerpt
+        fig, axes = plt.subplots(len(shown), 1, figsize=(8, 1.9 * len(shown)), squeeze=False)
+        for ax, o in zip(axes.flat, shown, strict=True):
+            plot_excerpt(ax, o["excerpt"], f"{o['arch']} {o['setting']}, {o['np']} workers, "
+                         f"shoal DistributedOptimizer: one step")
         fig.tight_layout()
-        fig.savefig(os.path.join(plots, "train.png"), dpi=100)
+        fig.savefig(os.path.join(plots, "overlap.png"), dpi=100)
         plt.close(fig)
-        out += ["", f"![training throughput]({plots}/train.png)"]
-    except ImportError:
-        pass
+        out += ["", f"![overlap of communication with backward]({plots}/overlap.png)"]
+    return out
+
+
+def _train_section(data: dict[str, Any], plots: str) -> list[str]:
+    out = ["## End-to-end training throughput", "", f"Command: `{data['command']}`", "",
+           f"Synthetic data, {data['threads']} intra-op thread(s) per worker on "
+           f"{data.get('cores', '?')} cores, {data['steps']} timed steps per job after "
+           f"{data['warmup']} warm-up steps; images/s over all workers (median over trials); "
+           f"efficiency = throughput(N) / (N x throughput(1)). Variants: `amp` = autocast "
+           f"(bf16 on CPU), `xla` = `torch.compile`.", ""]
+    for backend, why in data.get("missing", {}).items():
+        out += [f"**{backend}: missing** ({why}).", ""]
+    out += _train_table(data)
+    if data.get("overlap"):
+        out += ["", "Communication hidden behind backward (from a timeline run of shoal's "
+                "`DistributedOptimizer`; per-step medians):", "",
+                "| model | size : batch | workers | step ms | backward ms | communication ms "
+                "| hidden behind backward | waited after backward ms |",
+                "|---|---|---:|---:|---:|---:|---:|---:|"]
+        for o in data["overlap"]:
+            out.append(f"| {o['arch'].replace('efficientnet-', '')} | {o['setting']} | "
+                       f"{o['np']} | {o['step_ms']:.1f} | {o['backward_ms']:.1f} | "
+                       f"{o['comm_ms']:.1f} | {o['hidden_share']:.0%} | "
+                       f"{o['exposed_ms']:.1f} |")
+    with contextlib.suppress(ImportError):
+        out += _train_plots(data, plots)
     return [*out, ""]
 
 

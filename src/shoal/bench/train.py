@@ -1,11 +1,22 @@
-"""``shoal bench train``: end-to-end EfficientNet training throughput, shoal vs DDP.
+"""``shoal bench train``: end-to-end EfficientNet training throughput, shoal vs its peers.
 
 Runs the training application (``apps/efficientnet``, from a source checkout) in its
-``training_benchmark`` mode on synthetic data, once per backend, world size and setting, the
-jobs taking turns trial by trial: shoal's ``DistributedOptimizer``, stock DDP over
-``backend="shoal"`` and stock DDP over gloo. Every worker runs one intra-op thread
-(``OMP_NUM_THREADS=1``), so the per-worker compute is the same at every world size; scaling
-efficiency = throughput(N) / (N x throughput(1)). On a 2-core machine, N > 2 oversubscribes.
+``training_benchmark`` mode on synthetic data, once per backend, world size, architecture,
+setting and variant, the backends taking turns trial by trial: shoal's ``DistributedOptimizer``
+(``shoal``), stock DDP over ``backend="shoal"`` (``ddp-shoal``), stock DDP over gloo
+(``ddp-gloo``) and Horovod's own ``DistributedOptimizer`` (``horovod``: the same application on
+``horovod.torch``, started by ``horovodrun`` in the peers venv). A backend that is not installed
+is reported as missing, never dropped silently.
+
+Every worker runs ``--threads`` intra-op threads (default 1), so the per-worker compute is the
+same at every world size; scaling efficiency = throughput(N) / (N x throughput(1)). On a 2-core
+machine N > 2 oversubscribes, and the table says so. Variants: ``base``, ``amp`` (autocast,
+bf16 on CPU), ``xla`` (``torch.compile``), ``amp+xla``.
+
+With ``--overlap`` one more job per setting runs shoal's optimizer at the largest world size
+with a timeline, and reports how much of the communication ran while backward was still
+computing (:mod:`shoal.bench.overlap`), keeping one step's excerpt to plot. (DDP waits for its
+buckets inside ``backward()``, so the same split says nothing about DDP.)
 """
 
 from __future__ import annotations
@@ -18,81 +29,149 @@ import sys
 import tempfile
 from typing import Any
 
+from . import overlap
 from .common import write_results
+from .peers import available_peers, peer_python
 from .stats import stats
 
 __all__ = ["add_arguments", "format_table", "run"]
+
+VARIANTS = {"base": [], "amp": ["--use_amp"], "xla": ["--use_xla"],
+            "amp+xla": ["--use_amp", "--use_xla"]}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of ``shoal bench train``."""
     p.add_argument("--np", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--backends", default="shoal,ddp-shoal,ddp-gloo")
+    p.add_argument("--backends", default="shoal,ddp-shoal,ddp-gloo,horovod")
     p.add_argument("--settings", default="64:16,128:32",
                    help="image_size:per-worker-batch pairs (communication-heavy, compute-heavy)")
-    p.add_argument("--arch", default="efficientnet-b0")
+    p.add_argument("--archs", "--arch", default="efficientnet-b0",
+                   help="comma-separated EfficientNet variants")
+    p.add_argument("--variants", default="base",
+                   help=f"comma-separated, of {', '.join(VARIANTS)}")
+    p.add_argument("--threads", type=int, default=1, help="intra-op threads per worker")
     p.add_argument("--steps", type=int, default=30, help="timed steps per job")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--trials", type=int, default=1)
+    p.add_argument("--overlap", action="store_true",
+                   help="also measure the communication hidden behind backward")
     p.add_argument("--out", default="benchmarks/train.json")
     p.add_argument("--timeout", type=float, default=900)
 
 
-def _job(n: int, backend: str, size: int, batch: int, args: argparse.Namespace) -> float:
+def _command(backend: str, n: int, app: list[str]) -> list[str]:
+    if backend != "horovod":
+        return [sys.executable, "-m", "shoal.runner", "-np", str(n), sys.executable, *app]
+    python = peer_python()
+    assert python is not None  # checked before any job runs
+    horovodrun = os.path.join(os.path.dirname(python), "horovodrun")
+    return [horovodrun, "-np", str(n), "-H", f"localhost:{n}", "--gloo", python, *app]
+
+
+def _job(backend: str, n: int, arch: str, setting: str, variant: str,
+         args: argparse.Namespace, timeline: str | None = None) -> tuple[float, Any]:
+    """One training job; its throughput (images/s, all workers) and, with ``timeline``, the
+    timeline's analysis and excerpt."""
+    size, batch = setting.split(":")
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "shoal.runner", "-np", str(n), sys.executable, "-m",
-               "apps.efficientnet.main", "--mode", "training_benchmark", "--synthetic",
-               "--arch", args.arch, "--image_size", str(size), "--train_batch_size",
-               str(batch), "--max_epochs", "1", "--steps_per_epoch",
-               str(args.steps + args.warmup), "--benchmark_warmup_steps", str(args.warmup),
-               "--backend", backend, "--model_dir", tmp, "--num_workers", "0",
-               "--log_steps", "0", "--log_filename", "log.json"]
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        proc = subprocess.run(cmd, timeout=args.timeout, capture_output=True, text=True,
-                              env=env, check=False)
+        app = ["-m", "apps.efficientnet.main", "--mode", "training_benchmark", "--synthetic",
+               "--arch", arch, "--image_size", size, "--train_batch_size", batch,
+               "--max_epochs", "1", "--steps_per_epoch", str(args.steps + args.warmup),
+               "--benchmark_warmup_steps", str(args.warmup), "--backend", backend,
+               "--model_dir", tmp, "--num_workers", "0", "--log_steps", "0",
+               "--log_filename", "log.json", *VARIANTS[variant]]
+        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+        if timeline:
+            env["SHOAL_TIMELINE"] = os.path.join(tmp, "timeline.json")
+        proc = subprocess.run(_command(backend, n, app), timeout=args.timeout,
+                              capture_output=True, text=True, env=env, check=False)
         if proc.returncode != 0:
-            raise RuntimeError(f"{backend} np={n} failed: {proc.stderr[-500:]}")
+            raise RuntimeError(f"{backend} np={n} {arch} {setting} {variant} failed: "
+                               f"{proc.stderr[-800:]}")
         with open(os.path.join(tmp, "log.json")) as f:
             lines = [json.loads(line) for line in f if line.strip()]
+        extra = None
+        if timeline:
+            events = overlap.load_events(env["SHOAL_TIMELINE"])
+            extra = {**overlap.analyse(events), "excerpt": overlap.excerpt(events)}
     summary = next(x for x in lines if x.get("step") == "SUMMARY")["data"]
-    return float(summary["avg_exp_per_second_training"])
+    return float(summary["avg_exp_per_second_training"]), extra
+
+
+def _oversubscribed(n: int, threads: int) -> bool:
+    return n * threads > (os.cpu_count() or 1)
 
 
 def format_table(result: dict[str, Any]) -> str:
-    """Images/second per backend and world size, scaling efficiency and ratios."""
-    lines = [f"{result['arch']} training throughput (images/s, all workers), synthetic data, "
-             f"1 thread per worker"]
-    for setting, per in result["settings"].items():
-        lines.append(f"setting {setting} (image size : per-worker batch)")
-        for backend, by_np in per.items():
-            cells = [f"np={n}: {st['median']:.1f}" for n, st in by_np.items()]
-            one = by_np.get("1", {}).get("median")
-            eff = [f"eff(np={n}) {st['median'] / (int(n) * one):.1%}"
-                   for n, st in by_np.items() if one and n != "1"]
-            lines.append(f"  {backend:>10} | " + " | ".join(cells + eff))
+    """Images/second per configuration, backend and world size, with scaling efficiency."""
+    lines = [f"training throughput (images/s, all workers), synthetic data, "
+             f"{result['threads']} thread(s) per worker"]
+    for backend, why in result.get("missing", {}).items():
+        lines.append(f"  {backend}: missing ({why})")
+    for row in result["results"]:
+        tag = " (oversubscribed)" if row["oversubscribed"] else ""
+        eff = f", efficiency {row['efficiency']:.1%}" if row.get("efficiency") else ""
+        lines.append(f"  {row['arch']} {row['setting']} {row['variant']:>7} np={row['np']} "
+                     f"{row['backend']:>9}: {row['median']:.1f}{eff}{tag}")
+    for o in result.get("overlap", []):
+        lines.append(f"  overlap {o['setting']} np={o['np']} {o['backend']}: "
+                     f"{o['hidden_share']:.0%} of {o['comm_ms']:.1f} ms communication hidden "
+                     f"behind backward, {o['exposed_ms']:.1f} ms waited after it")
     return "\n".join(lines)
 
 
 def run(args: argparse.Namespace) -> int:
-    """Driver: every (setting, np) runs each backend in turn, ``--trials`` times."""
+    """Driver: every (arch, setting, variant, np) runs each backend in turn, ``--trials``
+    times."""
     backends = args.backends.split(",")
-    result: dict[str, Any] = {"arch": args.arch, "steps": args.steps, "settings": {}}
-    for setting in args.settings.split(","):
-        size, batch = (int(v) for v in setting.split(":"))
-        samples: dict[str, dict[str, list[float]]] = {b: {} for b in backends}
-        for n in args.np:
-            for trial in range(args.trials):
-                k = trial % len(backends)
-                for backend in backends[k:] + backends[:k]:
-                    try:
-                        tput = _job(n, backend, size, batch, args)
-                    except (RuntimeError, subprocess.TimeoutExpired) as exc:
-                        print(f"shoal bench train: {exc}", file=sys.stderr)
-                        return 1
-                    samples[backend].setdefault(str(n), []).append(tput)
-                    print(f"{setting} np={n} {backend}: {tput:.1f} images/s", flush=True)
-        result["settings"][setting] = {b: {n: stats(v) for n, v in per.items()}
-                                       for b, per in samples.items()}
+    variants = args.variants.split(",")
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        print(f"shoal bench train: unknown variant(s) {unknown}; use {', '.join(VARIANTS)}",
+              file=sys.stderr)
+        return 2
+    missing: dict[str, str] = {}
+    if "horovod" in backends and available_peers().get("horovod") is None:
+        missing["horovod"] = ("not installed in the peers venv (scripts/install-peers.sh)"
+                              if peer_python() else "no peers venv (scripts/install-peers.sh)")
+        backends.remove("horovod")
+    result: dict[str, Any] = {"steps": args.steps, "warmup": args.warmup,
+                              "threads": args.threads, "cores": os.cpu_count(),
+                              "missing": missing, "results": [], "overlap": []}
+    for arch in args.archs.split(","):
+        for setting in args.settings.split(","):
+            for variant in variants:
+                samples: dict[tuple[str, int], list[float]] = {}
+                for n in args.np:
+                    for trial in range(args.trials):
+                        k = trial % len(backends)
+                        for backend in backends[k:] + backends[:k]:
+                            try:
+                                tput, _ = _job(backend, n, arch, setting, variant, args)
+                            except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                                print(f"shoal bench train: {exc}", file=sys.stderr)
+                                return 1
+                            samples.setdefault((backend, n), []).append(tput)
+                            print(f"{arch} {setting} {variant} np={n} {backend}: "
+                                  f"{tput:.1f} images/s", flush=True)
+                for (backend, n), values in samples.items():
+                    st = stats(values)
+                    one = samples.get((backend, 1))
+                    eff = st["median"] / (n * stats(one)["median"]) if one and n > 1 else None
+                    result["results"].append({
+                        "arch": arch, "setting": setting, "variant": variant,
+                        "backend": backend, "np": n, **st, "efficiency": eff,
+                        "oversubscribed": _oversubscribed(n, args.threads)})
+            if args.overlap and "shoal" in backends and max(args.np) > 1:
+                n = max(args.np)
+                try:
+                    _, extra = _job("shoal", n, arch, setting, "base", args, timeline="on")
+                except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                    print(f"shoal bench train: {exc}", file=sys.stderr)
+                    return 1
+                result["overlap"].append({"arch": arch, "setting": setting,
+                                          "backend": "shoal", "np": n, **extra})
     print(format_table(result))
-    write_results(args.out, {"results": [result]})
+    write_results(args.out, result)
     return 0

@@ -9,6 +9,7 @@ the :class:`~shoal.core.comm.Communicator` that every collective below uses.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import json
 import logging
@@ -16,7 +17,8 @@ import os
 import pickle
 import socket
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -54,6 +56,7 @@ __all__ = [
     "reducescatter",
     "shutdown",
     "size",
+    "timeline_range",
     "world",
 ]
 
@@ -219,6 +222,23 @@ atexit.register(shutdown)
 def is_initialized() -> bool:
     """Whether ``init()`` has run (and ``shutdown()`` has not)."""
     return _state["comm"] is not None
+
+
+@contextlib.contextmanager
+def timeline_range(name: str, track: str = "training") -> Iterator[None]:
+    """Mark a stretch of the caller's work (``"BACKWARD"``, ``"STEP"``) on the timeline, on
+    its own ``track``, so the reductions can be seen against it. Does nothing when shoal is not
+    initialised or no timeline is being written (``SHOAL_TIMELINE``)."""
+    engine = _state["engine"]
+    timeline = engine.timeline if engine is not None else None
+    if timeline is None:
+        yield
+        return
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        timeline.span(track, name, start, time.perf_counter())
 
 
 def communicator() -> Communicator:
