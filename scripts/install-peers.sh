@@ -120,6 +120,12 @@ step_torch() {
 step_shoal() {
   # shoal itself (editable, no dependencies), so one job can time shoal and a peer side by
   # side in the same processes: e.g. under mpirun, shoal, gloo and mpi4py take turns
+  # and the training application's own dependencies, at the project's pins, so that
+  # `shoal bench train` can run apps/efficientnet on Horovod (--backend horovod)
+  local app_pins
+  app_pins=$(grep -E '^(Pillow|crc32c|protobuf|tqdm)==' "$ROOT/requirements/dev.txt")
+  # shellcheck disable=SC2086  # one pin per word
+  pip_in_venv $app_pins || fail "installing the application's dependencies failed"
   if "$PY" -c "import shoal" >/dev/null 2>&1; then echo "shoal already importable"; return; fi
   pip_in_venv --no-deps -e "$ROOT" || fail "pip install -e $ROOT failed"
 }

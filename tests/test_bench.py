@@ -54,16 +54,51 @@ def test_report_from_fixture(tmp_path) -> None:
     assert proc.returncode == 0, proc.stderr
     text = out.read_text()
     for heading in ("## AllReduce on one host", "## Gradient exchange of a real model",
-                    "## Emulated cluster", "## Reading"):
+                    "## Emulated cluster", "## End-to-end training throughput", "## Reading"):
         assert heading in text
     assert "| 4 KiB |" in text and "efficientnet-b0: 213 tensors" in text
-    assert (folder / "plots" / "allreduce.png").stat().st_size > 1000
+    assert "shoal / ddp-gloo" in text and "hidden behind backward" in text
+    for plot in ("allreduce.png", "train.png", "overlap.png"):
+        assert (folder / "plots" / plot).stat().st_size > 1000
 
 
 def test_tiny_train_run(tmp_path) -> None:
     out = tmp_path / "train.json"
-    proc = _shoal("bench", "train", "--np", "1", "--backends", "shoal", "--settings", "32:2",
-                  "--steps", "2", "--warmup", "1", "--out", str(out))
+    env = {**os.environ, "SHOAL_PEERS_VENV": str(tmp_path / "no-venv")}
+    proc = subprocess.run([sys.executable, "-m", "shoal.cli", "bench", "train", "--np", "1",
+                           "2", "--backends", "shoal,horovod", "--settings", "32:2", "--steps",
+                           "3", "--warmup", "2", "--overlap", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, env=env, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    res = json.loads(out.read_text())["results"][0]
-    assert res["settings"]["32:2"]["shoal"]["1"]["median"] > 0
+    data = json.loads(out.read_text())
+    rows = {(r["backend"], r["np"]): r for r in data["results"]}
+    assert rows[("shoal", 1)]["median"] > 0 and rows[("shoal", 2)]["efficiency"] > 0
+    # a peer that is not installed is reported, never silently dropped
+    assert "horovod" in data["missing"]
+    (o,) = data["overlap"]
+    assert o["steps"] >= 1 and o["comm_ms"] > 0 and 0.0 <= o["hidden_share"] <= 1.0
+    assert {s[1] for s in o["excerpt"]} >= {"FORWARD", "BACKWARD", "STEP", "ALLREDUCE"}
+
+
+def test_overlap_split_of_a_known_timeline() -> None:
+    from shoal.bench import overlap
+
+    def span(track: int, name: str, start_ms: float, end_ms: float) -> dict:
+        return {"name": name, "ph": "X", "pid": 0, "tid": track, "ts": start_ms * 1e3,
+                "dur": (end_ms - start_ms) * 1e3}
+
+    events = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": 1,
+               "args": {"name": "training"}},
+              {"name": "thread_name", "ph": "M", "pid": 0, "tid": 2,
+               "args": {"name": "fusion buffers"}}]
+    for k in range(3):  # steps of 40 ms: forward 10, backward 20, step 10
+        t = 40.0 * k
+        events += [span(1, "FORWARD", t, t + 10), span(1, "BACKWARD", t + 10, t + 30),
+                   span(1, "STEP", t + 30, t + 40),
+                   span(2, "ALLREDUCE", t + 15, t + 25), span(2, "ALLREDUCE", t + 26, t + 34)]
+    got = overlap.analyse(events, skip=1)
+    assert got["steps"] == 2 and got["buffers"] == 2
+    assert got["comm_ms"] == pytest.approx(18.0) and got["hidden_ms"] == pytest.approx(14.0)
+    assert got["hidden_share"] == pytest.approx(14 / 18) and got["exposed_ms"] == pytest.approx(4)
+    spans = overlap.excerpt(events)
+    assert spans[0] == ["training", "FORWARD", 0.0, 10.0] and len(spans) == 5

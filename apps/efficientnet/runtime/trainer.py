@@ -133,7 +133,7 @@ def train_step(tr: Trainer, images: torch.Tensor, labels: torch.Tensor) -> StepS
     targets = smooth_targets(labels, args.num_classes, args.label_smoothing)
     x, targets = mixup(x, targets, sample_mixup_lambda(args.mixup_alpha, tr.np_rng))
     lr = tr.schedule.apply(opt, tr.step)
-    opt.zero_grad(set_to_none=True)
+    opt.zero_grad()  # Horovod's optimizer takes no set_to_none (the default: True)
     with timeline_range("FORWARD"):
         with _autocast(tr):
             logits = tr.forward(x)
