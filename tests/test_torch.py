@@ -74,7 +74,7 @@ def _overlap(rank: int, path: str) -> tuple[float, float, float]:
         layers += [torch.nn.Linear(256, 256), torch.nn.Tanh()]
     model = torch.nn.Sequential(*layers)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
-                                   model.named_parameters())
+                                   model.named_parameters(), bucket_bytes=1 << 20)
     x = torch.randn(512, 256)
     import time
     for _ in range(3):

@@ -112,3 +112,15 @@ def _twice(rank: int) -> str:
 def test_second_backward_without_step_is_refused() -> None:
     for text in run_ranks(_twice, 2, timeout=60):
         assert "computed again before step()" in text and "backward_passes_per_step" in text
+
+
+def test_automatic_bucket_size() -> None:
+    from shoal.torch.buckets import OVERLAP_BUCKET_BYTES, auto_bucket_bytes
+    fusion = 64 << 20
+    # on an accelerator the CPU reduces while the device computes: overlap
+    assert auto_bucket_bytes({"cuda"}, 8, 4, 16, fusion) == OVERLAP_BUCKET_BYTES
+    # CPU workers with cores to spare: overlap
+    assert auto_bucket_bytes({"cpu"}, 2, 1, 8, fusion) == OVERLAP_BUCKET_BYTES
+    # every core already computing: reduce after backward, in as few buffers as fusion allows
+    assert auto_bucket_bytes({"cpu"}, 2, 1, 2, fusion) == fusion
+    assert auto_bucket_bytes({"cpu"}, 1, 16, 16, fusion) == fusion

@@ -92,8 +92,9 @@ KNOBS: dict[str, Knob] = _knobs(
          "size use recursive doubling (log2 n latencies) instead of the ring (2(n-1))"),
     # engine (fusion, timeline)
     Knob("fusion_threshold", _parse_bytes, 64 << 20, "fusion buffer size in bytes"),
-    Knob("bucket_bytes", _parse_bytes, 2 << 20, "gradient bucket of the framework optimizers "
-         "(DistributedOptimizer): one reduction per bucket, submitted when it is full"),
+    Knob("bucket_bytes", _parse_bytes, 0, "gradient bucket of the framework optimizers "
+         "(DistributedOptimizer): one reduction per bucket, submitted when it is full; 0: "
+         "2 MiB, or one fusion buffer when CPU workers already use every core"),
     Knob("cycle_time_ms", float, 1.0, "how long the engine waits for more tensors to fuse"),
     Knob("stall_warning_s", float, 60.0, "warn when a tensor waits this long for other ranks"),
     Knob("stall_shutdown_s", float, 0.0, "fail a stalled tensor after this long (0: never)"),

@@ -26,7 +26,30 @@ from shoal.core.ops import ReduceOp
 
 from .tensors import Staged, stage
 
-__all__ = ["Buckets"]
+__all__ = ["Buckets", "auto_bucket_bytes"]
+
+#: Bucket size when reductions should overlap backward.
+OVERLAP_BUCKET_BYTES = 2 << 20
+
+
+def auto_bucket_bytes(device_types: set[str], local_size: int, threads: int, cores: int,
+                      fusion_threshold: int) -> int:
+    """The bucket size when the user sets none (``SHOAL_BUCKET_BYTES=0``, the default).
+
+    Small buckets (2 MiB) let reductions run while backward computes: right when the compute is
+    on an accelerator and the CPU, which reduces, is otherwise idle (the SMDDP design), or when
+    the host has cores to spare. But when the gradients live in host memory and this host's
+    workers already keep every core busy (``local_size x threads >= cores``), a reduction
+    during backward only takes turns with it on the same cores, and the lock-step shared-memory
+    rounds wait for descheduled peers: measured here (EfficientNet-B0, 32 px, batch 8, 2
+    workers on 2 cores) 2 MiB buckets gave 136 images/s, one bucket after backward 159. Then
+    the buckets are as large as a fusion buffer and the reduction follows backward.
+    """
+    if device_types - {"cpu"}:
+        return OVERLAP_BUCKET_BYTES
+    if local_size * max(1, threads) >= max(1, cores):
+        return max(fusion_threshold, OVERLAP_BUCKET_BYTES)
+    return OVERLAP_BUCKET_BYTES
 
 
 @dataclass

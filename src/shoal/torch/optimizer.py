@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import os
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -25,7 +26,7 @@ import shoal
 from shoal.core.compression import Codec, Compression
 from shoal.core.ops import ReduceOp
 
-from .buckets import Buckets
+from .buckets import Buckets, auto_bucket_bytes
 
 __all__ = ["DistributedOptimizer"]
 
@@ -35,9 +36,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     It *is* a ``torch.optim.Optimizer`` (learning-rate schedulers accept it) and shares the
     wrapped optimizer's ``param_groups`` and ``state``, so changes through either are seen by
-    both. ``bucket_bytes`` (a shoal extension; default the ``SHOAL_BUCKET_BYTES`` knob, 2 MiB)
-    sizes the gradient buckets: smaller ones start reducing earlier in backward, larger ones
-    cost fewer round trips.
+    both. ``bucket_bytes`` (a shoal extension; default the ``SHOAL_BUCKET_BYTES`` knob, whose
+    default 0 picks a size by :func:`shoal.torch.buckets.auto_bucket_bytes`) sizes the
+    gradient buckets: smaller ones start reducing earlier in backward, larger ones cost fewer
+    round trips and leave backward's cores alone.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer,
@@ -70,7 +72,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._check_same_model_everywhere()
         trained = [p for p in self._names if p.requires_grad]
         if bucket_bytes is None:
-            bucket_bytes = shoal.communicator().cfg.bucket_bytes
+            cfg = shoal.communicator().cfg
+            bucket_bytes = cfg.bucket_bytes or auto_bucket_bytes(
+                {p.device.type for p in trained}, shoal.local_size(), torch.get_num_threads(),
+                len(os.sched_getaffinity(0)), cfg.fusion_threshold)
         self._buckets = Buckets(trained, self._names, bucket_bytes, compression, op,
                                 gradient_predivide_factor)
         for p in trained:
