@@ -58,7 +58,7 @@ def test_report_from_fixture(tmp_path) -> None:
         assert heading in text
     assert "| 4 KiB |" in text and "efficientnet-b0: 213 tensors" in text
     assert "shoal / ddp-gloo" in text and "hidden behind backward" in text
-    for plot in ("allreduce.png", "train.png", "overlap.png"):
+    for plot in ("allreduce.png", "train.png", "train-overlap.png"):
         assert (folder / "plots" / plot).stat().st_size > 1000
 
 

@@ -158,7 +158,7 @@ def _train_table(data: dict[str, Any]) -> list[str]:
     return out
 
 
-def _train_plots(data: dict[str, Any], plots: str) -> list[str]:
+def _train_plots(data: dict[str, Any], plots: str, name: str) -> list[str]:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -183,25 +183,27 @@ def _train_plots(data: dict[str, Any], plots: str) -> list[str]:
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     fig.tight_layout()
-    fig.savefig(os.path.join(plots, "train.png"), dpi=100)
+    fig.savefig(os.path.join(plots, f"{name}.png"), dpi=100)
     plt.close(fig)
-    out += ["", f"![training throughput]({plots}/train.png)"]
+    out += ["", f"![training throughput]({plots}/{name}.png)"]
     shown = [o for o in data.get("overlap", []) if o.get("excerpt")]
     if shown:
         from .overlap import plot_excerpt
         fig, axes = plt.subplots(len(shown), 1, figsize=(8, 1.9 * len(shown)), squeeze=False)
         for ax, o in zip(axes.flat, shown, strict=True):
             plot_excerpt(ax, o["excerpt"], f"{o['arch']} {o['setting']}, {o['np']} workers, "
-                         f"shoal DistributedOptimizer: one step")
+                         f"shoal DistributedOptimizer, {o.get('buckets', 'auto')} buckets: "
+                         f"one step")
         fig.tight_layout()
-        fig.savefig(os.path.join(plots, "overlap.png"), dpi=100)
+        fig.savefig(os.path.join(plots, f"{name}-overlap.png"), dpi=100)
         plt.close(fig)
-        out += ["", f"![overlap of communication with backward]({plots}/overlap.png)"]
+        out += ["", f"![overlap of communication with backward]({plots}/{name}-overlap.png)"]
     return out
 
 
-def _train_section(data: dict[str, Any], plots: str) -> list[str]:
-    out = ["## End-to-end training throughput", "", f"Command: `{data['command']}`", "",
+def _train_section(data: dict[str, Any], plots: str, name: str = "train") -> list[str]:
+    title = data.get("title") or "End-to-end training throughput"
+    out = [f"## {title}", "", f"Command: `{data['command']}`", "",
            f"Synthetic data, {data['threads']} intra-op thread(s) per worker on "
            f"{data.get('cores', '?')} cores, {data['steps']} timed steps per job after "
            f"{data['warmup']} warm-up steps; images/s over all workers (median over trials); "
@@ -211,18 +213,22 @@ def _train_section(data: dict[str, Any], plots: str) -> list[str]:
         out += [f"**{backend}: missing** ({why}).", ""]
     out += _train_table(data)
     if data.get("overlap"):
-        out += ["", "Communication hidden behind backward (from a timeline run of shoal's "
-                "`DistributedOptimizer`; per-step medians):", "",
-                "| model | size : batch | workers | step ms | backward ms | communication ms "
-                "| hidden behind backward | waited after backward ms |",
-                "|---|---|---:|---:|---:|---:|---:|---:|"]
+        out += ["", "Communication hidden behind backward (from timeline runs of shoal's "
+                "`DistributedOptimizer`, with its automatic bucket size and with 2 MiB buckets; "
+                "per-step medians; the wait after backward includes waiting for the slower "
+                "rank):", "",
+                "| model | size : batch | workers | buckets | images/s | step ms | backward ms "
+                "| communication ms | hidden behind backward | waited after backward ms |",
+                "|---|---|---:|---|---:|---:|---:|---:|---:|---:|"]
         for o in data["overlap"]:
             out.append(f"| {o['arch'].replace('efficientnet-', '')} | {o['setting']} | "
-                       f"{o['np']} | {o['step_ms']:.1f} | {o['backward_ms']:.1f} | "
+                       f"{o['np']} | {o.get('buckets', 'auto')} | "
+                       f"{o.get('images_per_s', float('nan')):.1f} | {o['step_ms']:.1f} | "
+                       f"{o['backward_ms']:.1f} | "
                        f"{o['comm_ms']:.1f} | {o['hidden_share']:.0%} | "
                        f"{o['exposed_ms']:.1f} |")
     with contextlib.suppress(ImportError):
-        out += _train_plots(data, plots)
+        out += _train_plots(data, plots, name)
     return [*out, ""]
 
 
@@ -243,12 +249,18 @@ def build(folder: str) -> str:
              "times are per-trial maxima over ranks, min (and median) over trials.", ""]
     first = None
     for name, section in (("allreduce", _allreduce_section), ("exchange", _exchange_section),
-                          ("cluster", _cluster_section), ("train", _train_section)):
+                          ("cluster", _cluster_section)):
         data = _load(folder, name)
         if data is None:
             continue
         first = first or data
-        lines += section(data, plots) if name in ("allreduce", "train") else section(data)
+        lines += section(data, plots) if name == "allreduce" else section(data)
+    # train.json, then any train-*.json (further training comparisons), each its own section
+    for path in sorted(glob.glob(os.path.join(folder, "train*.json"))):
+        name = os.path.splitext(os.path.basename(path))[0]
+        data = _load(folder, name)
+        first = first or data
+        lines += _train_section(data, plots, name)
     for path in sorted(glob.glob(os.path.join(folder, "*.txt"))):
         title = os.path.splitext(os.path.basename(path))[0].replace("-", " ").capitalize()
         lines += _generic_section(title, path)

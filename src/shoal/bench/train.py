@@ -13,9 +13,11 @@ same at every world size; scaling efficiency = throughput(N) / (N x throughput(1
 machine N > 2 oversubscribes, and the table says so. Variants: ``base``, ``amp`` (autocast,
 bf16 on CPU), ``xla`` (``torch.compile``), ``amp+xla``.
 
-With ``--overlap`` one more job per setting runs shoal's optimizer at the largest world size
-with a timeline, and reports how much of the communication ran while backward was still
-computing (:mod:`shoal.bench.overlap`), keeping one step's excerpt to plot. (DDP waits for its
+With ``--overlap`` two more jobs per setting run shoal's optimizer with a timeline, at the
+largest world size that does not oversubscribe the cores, with its automatic gradient buckets
+and with 2 MiB ones (which always overlap), and report how much of the communication ran while
+backward was still computing
+(:mod:`shoal.bench.overlap`), keeping one step's excerpt of each to plot. (DDP waits for its
 buckets inside ``backward()``, so the same split says nothing about DDP.)
 """
 
@@ -56,6 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trials", type=int, default=1)
     p.add_argument("--overlap", action="store_true",
                    help="also measure the communication hidden behind backward")
+    p.add_argument("--title", default=None,
+                   help="the report section's heading (default: End-to-end training throughput)")
     p.add_argument("--out", default="benchmarks/train.json")
     p.add_argument("--timeout", type=float, default=900)
 
@@ -70,7 +74,8 @@ def _command(backend: str, n: int, app: list[str]) -> list[str]:
 
 
 def _job(backend: str, n: int, arch: str, setting: str, variant: str,
-         args: argparse.Namespace, timeline: str | None = None) -> tuple[float, Any]:
+         args: argparse.Namespace, timeline: str | None = None,
+         env_extra: dict[str, str] | None = None) -> tuple[float, Any]:
     """One training job; its throughput (images/s, all workers) and, with ``timeline``, the
     timeline's analysis and excerpt."""
     size, batch = setting.split(":")
@@ -81,7 +86,7 @@ def _job(backend: str, n: int, arch: str, setting: str, variant: str,
                "--benchmark_warmup_steps", str(args.warmup), "--backend", backend,
                "--model_dir", tmp, "--num_workers", "0", "--log_steps", "0",
                "--log_filename", "log.json", *VARIANTS[variant]]
-        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), **(env_extra or {})}
         if timeline:
             env["SHOAL_TIMELINE"] = os.path.join(tmp, "timeline.json")
         proc = subprocess.run(_command(backend, n, app), timeout=args.timeout,
@@ -115,7 +120,8 @@ def format_table(result: dict[str, Any]) -> str:
         lines.append(f"  {row['arch']} {row['setting']} {row['variant']:>7} np={row['np']} "
                      f"{row['backend']:>9}: {row['median']:.1f}{eff}{tag}")
     for o in result.get("overlap", []):
-        lines.append(f"  overlap {o['setting']} np={o['np']} {o['backend']}: "
+        lines.append(f"  overlap {o['setting']} np={o['np']} {o['backend']} "
+                     f"({o['buckets']} buckets, {o['images_per_s']:.1f} images/s): "
                      f"{o['hidden_share']:.0%} of {o['comm_ms']:.1f} ms communication hidden "
                      f"behind backward, {o['exposed_ms']:.1f} ms waited after it")
     return "\n".join(lines)
@@ -136,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
         missing["horovod"] = ("not installed in the peers venv (scripts/install-peers.sh)"
                               if peer_python() else "no peers venv (scripts/install-peers.sh)")
         backends.remove("horovod")
-    result: dict[str, Any] = {"steps": args.steps, "warmup": args.warmup,
+    result: dict[str, Any] = {"title": args.title, "steps": args.steps, "warmup": args.warmup,
                               "threads": args.threads, "cores": os.cpu_count(),
                               "missing": missing, "results": [], "overlap": []}
     for arch in args.archs.split(","):
@@ -164,14 +170,20 @@ def run(args: argparse.Namespace) -> int:
                         "backend": backend, "np": n, **st, "efficiency": eff,
                         "oversubscribed": _oversubscribed(n, args.threads)})
             if args.overlap and "shoal" in backends and max(args.np) > 1:
-                n = max(args.np)
-                try:
-                    _, extra = _job("shoal", n, arch, setting, "base", args, timeline="on")
-                except (RuntimeError, subprocess.TimeoutExpired) as exc:
-                    print(f"shoal bench train: {exc}", file=sys.stderr)
-                    return 1
-                result["overlap"].append({"arch": arch, "setting": setting,
-                                          "backend": "shoal", "np": n, **extra})
+                # the largest world size that does not oversubscribe the cores
+                n = max((k for k in args.np if k > 1 and not _oversubscribed(k, args.threads)),
+                        default=max(args.np))
+                # the automatic bucket size, then small buckets that force overlap
+                for buckets, env in (("auto", {}), ("2 MiB", {"SHOAL_BUCKET_BYTES": "2M"})):
+                    try:
+                        tput, extra = _job("shoal", n, arch, setting, "base", args,
+                                           timeline="on", env_extra=env)
+                    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                        print(f"shoal bench train: {exc}", file=sys.stderr)
+                        return 1
+                    result["overlap"].append({"arch": arch, "setting": setting,
+                                              "backend": "shoal", "np": n, "buckets": buckets,
+                                              "images_per_s": tput, **extra})
     print(format_table(result))
     write_results(args.out, result)
     return 0
