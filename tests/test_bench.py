@@ -75,9 +75,12 @@ def test_tiny_train_run(tmp_path) -> None:
     assert rows[("shoal", 1)]["median"] > 0 and rows[("shoal", 2)]["efficiency"] > 0
     # a peer that is not installed is reported, never silently dropped
     assert "horovod" in data["missing"]
-    (o,) = data["overlap"]
-    assert o["steps"] >= 1 and o["comm_ms"] > 0 and 0.0 <= o["hidden_share"] <= 1.0
-    assert {s[1] for s in o["excerpt"]} >= {"FORWARD", "BACKWARD", "STEP", "ALLREDUCE"}
+    # overlap is measured with the automatic bucket size and with 2 MiB buckets
+    assert [o["buckets"] for o in data["overlap"]] == ["auto", "2 MiB"]
+    for o in data["overlap"]:
+        assert o["np"] == 2 and o["images_per_s"] > 0
+        assert o["steps"] >= 1 and o["comm_ms"] > 0 and 0.0 <= o["hidden_share"] <= 1.0
+        assert {s[1] for s in o["excerpt"]} >= {"FORWARD", "BACKWARD", "STEP", "ALLREDUCE"}
 
 
 def test_overlap_split_of_a_known_timeline() -> None:

@@ -75,30 +75,32 @@ def _overlap(rank: int, path: str) -> tuple[float, float, float]:
     model = torch.nn.Sequential(*layers)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
                                    model.named_parameters(), bucket_bytes=1 << 20)
-    x = torch.randn(512, 256)
+    x = torch.randn(1024, 256)
     import time
-    for _ in range(3):
+    windows = []
+    for _ in range(4):
         opt.zero_grad()
         loss = model(x).square().mean()
         backward_start = time.perf_counter()
         loss.backward()
-        backward_done = time.perf_counter()
+        windows.append((backward_start, time.perf_counter()))
         opt.step()
     tl = shoal.core.api._engine().timeline
-    return backward_start, backward_done, tl._t0
+    return windows, tl._t0
 
 
 def test_reductions_start_before_backward_ends(tmp_path) -> None:
     import json
     path = str(tmp_path / "t{rank}.json")
     results = run_ranks(_overlap, 2, path, timeline=path, cycle_time_ms=0.5, timeout=120)
-    backward_start, backward_done, t0 = results[0]
+    windows, t0 = results[0]
     events = json.loads((tmp_path / "t0.json").read_text())
     starts = sorted(e["ts"] / 1e6 + t0 for e in events if e.get("name") == "ALLREDUCE" and
                     "buffer" in e.get("args", {}))
-    during = [s for s in starts if backward_start < s < backward_done]
-    # in the last step, the first buffers were reduced while backward was still running
-    assert during, (backward_start, backward_done, starts[-5:])
+    during = [s for s in starts if any(a < s < b for a, b in windows)]
+    # buffers were reduced while backward was still running (in at least one step: a loaded
+    # machine may keep the other rank's backward behind in some)
+    assert during, (windows, starts)
 
 
 def _mismatch(rank: int) -> str:

@@ -58,6 +58,8 @@ def _train(rank: int, predivide: float, clip: bool) -> dict:
             with opt.skip_synchronize():
                 opt.step()
         else:
+            if step == 1:  # synchronize() then step() without skip_synchronize: reduced twice,
+                opt.synchronize()  # which must leave the (already equal) averages unchanged
             opt.step()
         ref_opt.zero_grad()
         xs, ys = zip(*[_data(step, r) for r in range(n)], strict=True)

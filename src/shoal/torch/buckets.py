@@ -159,13 +159,18 @@ class Buckets:
         b.staged = s
 
     def finish(self) -> None:
-        """Submit what backward left incomplete (missing gradients count as zeros), wait for
-        every bucket and point each ``.grad`` at its reduced slice."""
+        """Submit what backward left incomplete, wait for every bucket and point each
+        ``.grad`` at its reduced slice. A parameter backward did not reach this step is
+        reduced with the gradient it holds, or zeros if it has none (Horovod's rule)."""
         for b in self._buckets:
             if b.handle is None:
-                for j in range(len(b.params)):
-                    if j not in b.marks:
+                for j, p in enumerate(b.params):
+                    if j in b.marks:
+                        continue
+                    if p.grad is None:
                         b.views[j].zero_()
+                    elif p.grad.data_ptr() != b.views[j].data_ptr():
+                        b.views[j].copy_(p.grad)
                 self._submit(b)
         post = self._predivide / shoal.size() if self._predivide != 1.0 else 1.0
         error: BaseException | None = None
