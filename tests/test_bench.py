@@ -66,13 +66,15 @@ def test_tiny_train_run(tmp_path) -> None:
     out = tmp_path / "train.json"
     env = {**os.environ, "SHOAL_PEERS_VENV": str(tmp_path / "no-venv")}
     proc = subprocess.run([sys.executable, "-m", "shoal.cli", "bench", "train", "--np", "1",
-                           "2", "--backends", "shoal,horovod", "--settings", "32:2", "--steps",
-                           "3", "--warmup", "2", "--overlap", "--out", str(out)],
+                           "2", "--backends", "shoal,horovod,independent", "--settings", "32:2",
+                           "--steps", "3", "--warmup", "2", "--overlap", "--out", str(out)],
                           capture_output=True, text=True, timeout=300, env=env, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     data = json.loads(out.read_text())
     rows = {(r["backend"], r["np"]): r for r in data["results"]}
     assert rows[("shoal", 1)]["median"] > 0 and rows[("shoal", 2)]["efficiency"] > 0
+    # the ceiling: two single-worker jobs at once, throughputs added up
+    assert rows[("independent", 2)]["median"] > 0 and rows[("independent", 2)]["n"] == 1
     # a peer that is not installed is reported, never silently dropped
     assert "horovod" in data["missing"]
     # overlap is measured with the automatic bucket size and with 2 MiB buckets
@@ -81,6 +83,21 @@ def test_tiny_train_run(tmp_path) -> None:
         assert o["np"] == 2 and o["images_per_s"] > 0
         assert o["steps"] >= 1 and o["comm_ms"] > 0 and 0.0 <= o["hidden_share"] <= 1.0
         assert {s[1] for s in o["excerpt"]} >= {"FORWARD", "BACKWARD", "STEP", "ALLREDUCE"}
+
+
+def test_train_run_records_a_failed_job_and_goes_on(tmp_path) -> None:
+    out = tmp_path / "train.json"
+    proc = subprocess.run([sys.executable, "-m", "shoal.cli", "bench", "train", "--np", "1",
+                           "--backends", "shoal", "--archs", "efficientnet-b99,efficientnet-b0",
+                           "--settings", "32:2", "--steps", "1", "--warmup", "1",
+                           "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 1 and "efficientnet-b99" in proc.stdout  # the table names it
+    data = json.loads(out.read_text())
+    (failed,) = data["failed"]
+    assert failed["arch"] == "efficientnet-b99" and failed["backend"] == "shoal"
+    assert failed["error"]  # the job's own error message, for the report
+    assert [r["arch"] for r in data["results"]] == ["efficientnet-b0"]  # the run went on
 
 
 def test_overlap_split_of_a_known_timeline() -> None:

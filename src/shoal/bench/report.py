@@ -130,7 +130,7 @@ def _cluster_section(data: dict[str, Any]) -> list[str]:
     return [*out, ""]
 
 
-_TRAIN_ORDER = ("shoal", "ddp-shoal", "ddp-gloo", "horovod")
+_TRAIN_ORDER = ("shoal", "ddp-shoal", "ddp-gloo", "horovod", "independent")
 
 
 def _train_table(data: dict[str, Any]) -> list[str]:
@@ -138,7 +138,8 @@ def _train_table(data: dict[str, Any]) -> list[str]:
     for r in data["results"]:
         rows.setdefault((r["arch"], r["setting"], r["variant"], r["np"]), {})[r["backend"]] = r
     backends = [b for b in _TRAIN_ORDER if any(b in per for per in rows.values())]
-    peers = [b for b in ("ddp-gloo", "horovod") if b in backends and "shoal" in backends]
+    peers = [b for b in ("ddp-gloo", "horovod", "independent")
+             if b in backends and "shoal" in backends]
     head = ["model", "size : batch", "variant", "workers",
             *[f"{b} img/s (eff.)" for b in backends], *[f"shoal / {p}" for p in peers]]
     out = ["| " + " | ".join(head) + " |",
@@ -207,10 +208,16 @@ def _train_section(data: dict[str, Any], plots: str, name: str = "train") -> lis
            f"Synthetic data, {data['threads']} intra-op thread(s) per worker on "
            f"{data.get('cores', '?')} cores, {data['steps']} timed steps per job after "
            f"{data['warmup']} warm-up steps; images/s over all workers (median over trials); "
-           f"efficiency = throughput(N) / (N x throughput(1)). Variants: `amp` = autocast "
-           f"(bf16 on CPU), `xla` = `torch.compile`.", ""]
+           f"efficiency = throughput(N) / (N x throughput(1)). `independent` is the ceiling: "
+           f"N single-worker jobs at once that never communicate, throughputs added up, so "
+           f"shoal / independent is the share of the machine's N-worker throughput that shoal "
+           f"keeps. Variants: `amp` = autocast (bf16 on CPU), `xla` = `torch.compile`.", ""]
     for backend, why in data.get("missing", {}).items():
         out += [f"**{backend}: missing** ({why}).", ""]
+    for f in data.get("failed", []):
+        last = f["error"].strip().splitlines()[-1] if f["error"].strip() else "no message"
+        out += [f"**Failed:** {f['arch']} {f['setting']} {f['variant']}, {f['np']} workers, "
+                f"{f['backend']}: `{last}`", ""]
     out += _train_table(data)
     if data.get("overlap"):
         out += ["", "Communication hidden behind backward (from timeline runs of shoal's "

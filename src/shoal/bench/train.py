@@ -6,7 +6,9 @@ setting and variant, the backends taking turns trial by trial: shoal's ``Distrib
 (``shoal``), stock DDP over ``backend="shoal"`` (``ddp-shoal``), stock DDP over gloo
 (``ddp-gloo``) and Horovod's own ``DistributedOptimizer`` (``horovod``: the same application on
 ``horovod.torch``, started by ``horovodrun`` in the peers venv). A backend that is not installed
-is reported as missing, never dropped silently.
+is reported as missing, never dropped silently. ``independent`` is the ceiling: N single-worker
+jobs at once, with no communication at all, their throughputs added up: what N workers reach on
+this machine when they share its cores, caches and memory bus but never talk.
 
 Every worker runs ``--threads`` intra-op threads (default 1), so the per-worker compute is the
 same at every world size; scaling efficiency = throughput(N) / (N x throughput(1)). On a 2-core
@@ -40,12 +42,14 @@ __all__ = ["add_arguments", "format_table", "run"]
 
 VARIANTS = {"base": [], "amp": ["--use_amp"], "xla": ["--use_xla"],
             "amp+xla": ["--use_amp", "--use_xla"]}
+BACKENDS = ("shoal", "ddp-shoal", "ddp-gloo", "horovod", "independent")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of ``shoal bench train``."""
     p.add_argument("--np", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--backends", default="shoal,ddp-shoal,ddp-gloo,horovod")
+    p.add_argument("--backends", default=",".join(BACKENDS),
+                   help=f"comma-separated, of {', '.join(BACKENDS)}")
     p.add_argument("--settings", default="64:16,128:32",
                    help="image_size:per-worker-batch pairs (communication-heavy, compute-heavy)")
     p.add_argument("--archs", "--arch", default="efficientnet-b0",
@@ -73,35 +77,64 @@ def _command(backend: str, n: int, app: list[str]) -> list[str]:
     return [horovodrun, "-np", str(n), "-H", f"localhost:{n}", "--gloo", python, *app]
 
 
+def _app_args(arch: str, setting: str, variant: str, backend: str, model_dir: str,
+              args: argparse.Namespace) -> list[str]:
+    size, batch = setting.split(":")
+    return ["-m", "apps.efficientnet.main", "--mode", "training_benchmark", "--synthetic",
+            "--arch", arch, "--image_size", size, "--train_batch_size", batch,
+            "--max_epochs", "1", "--steps_per_epoch", str(args.steps + args.warmup),
+            "--benchmark_warmup_steps", str(args.warmup), "--backend", backend,
+            "--model_dir", model_dir, "--num_workers", "0", "--log_steps", "0",
+            "--log_filename", "log.json", *VARIANTS[variant]]
+
+
+def _throughput(model_dir: str) -> float:
+    with open(os.path.join(model_dir, "log.json")) as f:
+        lines = [json.loads(line) for line in f if line.strip()]
+    summary = next(x for x in lines if x.get("step") == "SUMMARY")["data"]
+    return float(summary["avg_exp_per_second_training"])
+
+
 def _job(backend: str, n: int, arch: str, setting: str, variant: str,
          args: argparse.Namespace, timeline: str | None = None,
          env_extra: dict[str, str] | None = None) -> tuple[float, Any]:
     """One training job; its throughput (images/s, all workers) and, with ``timeline``, the
-    timeline's analysis and excerpt."""
-    size, batch = setting.split(":")
+    timeline's analysis and excerpt. ``independent`` runs ``n`` single-worker jobs at once
+    (no communication at all) and adds up their throughput: the machine's ceiling for ``n``
+    workers."""
     with tempfile.TemporaryDirectory() as tmp:
-        app = ["-m", "apps.efficientnet.main", "--mode", "training_benchmark", "--synthetic",
-               "--arch", arch, "--image_size", size, "--train_batch_size", batch,
-               "--max_epochs", "1", "--steps_per_epoch", str(args.steps + args.warmup),
-               "--benchmark_warmup_steps", str(args.warmup), "--backend", backend,
-               "--model_dir", tmp, "--num_workers", "0", "--log_steps", "0",
-               "--log_filename", "log.json", *VARIANTS[variant]]
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), **(env_extra or {})}
         if timeline:
             env["SHOAL_TIMELINE"] = os.path.join(tmp, "timeline.json")
-        proc = subprocess.run(_command(backend, n, app), timeout=args.timeout,
-                              capture_output=True, text=True, env=env, check=False)
-        if proc.returncode != 0:
+        if backend == "independent":
+            dirs = [os.path.join(tmp, str(k)) for k in range(n)]
+            commands = [_command("shoal", 1, _app_args(arch, setting, variant, "shoal", d, args))
+                        for d in dirs]
+        else:
+            dirs = [tmp]
+            commands = [_command(backend, n,
+                                 _app_args(arch, setting, variant, backend, tmp, args))]
+        procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  env=env) for c in commands]
+        failed = []
+        try:
+            for proc in procs:
+                _, err = proc.communicate(timeout=args.timeout)
+                if proc.returncode != 0:
+                    failed.append(err[-800:])
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        if failed:
             raise RuntimeError(f"{backend} np={n} {arch} {setting} {variant} failed: "
-                               f"{proc.stderr[-800:]}")
-        with open(os.path.join(tmp, "log.json")) as f:
-            lines = [json.loads(line) for line in f if line.strip()]
+                               f"{failed[0]}")
         extra = None
         if timeline:
             events = overlap.load_events(env["SHOAL_TIMELINE"])
             extra = {**overlap.analyse(events), "excerpt": overlap.excerpt(events)}
-    summary = next(x for x in lines if x.get("step") == "SUMMARY")["data"]
-    return float(summary["avg_exp_per_second_training"]), extra
+        return sum(_throughput(d) for d in dirs), extra
 
 
 def _oversubscribed(n: int, threads: int) -> bool:
@@ -114,6 +147,9 @@ def format_table(result: dict[str, Any]) -> str:
              f"{result['threads']} thread(s) per worker"]
     for backend, why in result.get("missing", {}).items():
         lines.append(f"  {backend}: missing ({why})")
+    for f in result.get("failed", []):
+        lines.append(f"  FAILED {f['arch']} {f['setting']} {f['variant']} np={f['np']} "
+                     f"{f['backend']}: {f['error'].splitlines()[-1] if f['error'] else ''}")
     for row in result["results"]:
         tag = " (oversubscribed)" if row["oversubscribed"] else ""
         eff = f", efficiency {row['efficiency']:.1%}" if row.get("efficiency") else ""
@@ -137,6 +173,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"shoal bench train: unknown variant(s) {unknown}; use {', '.join(VARIANTS)}",
               file=sys.stderr)
         return 2
+    unknown = [b for b in backends if b not in BACKENDS]
+    if unknown:
+        print(f"shoal bench train: unknown backend(s) {unknown}; use {', '.join(BACKENDS)}",
+              file=sys.stderr)
+        return 2
     missing: dict[str, str] = {}
     if "horovod" in backends and available_peers().get("horovod") is None:
         missing["horovod"] = ("not installed in the peers venv (scripts/install-peers.sh)"
@@ -144,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
         backends.remove("horovod")
     result: dict[str, Any] = {"title": args.title, "steps": args.steps, "warmup": args.warmup,
                               "threads": args.threads, "cores": os.cpu_count(),
-                              "missing": missing, "results": [], "overlap": []}
+                              "missing": missing, "results": [], "overlap": [], "failed": []}
     for arch in args.archs.split(","):
         for setting in args.settings.split(","):
             for variant in variants:
@@ -156,8 +197,9 @@ def run(args: argparse.Namespace) -> int:
                             try:
                                 tput, _ = _job(backend, n, arch, setting, variant, args)
                             except (RuntimeError, subprocess.TimeoutExpired) as exc:
-                                print(f"shoal bench train: {exc}", file=sys.stderr)
-                                return 1
+                                _failed(result, exc, arch=arch, setting=setting,
+                                        variant=variant, backend=backend, np=n)
+                                continue
                             samples.setdefault((backend, n), []).append(tput)
                             print(f"{arch} {setting} {variant} np={n} {backend}: "
                                   f"{tput:.1f} images/s", flush=True)
@@ -179,11 +221,19 @@ def run(args: argparse.Namespace) -> int:
                         tput, extra = _job("shoal", n, arch, setting, "base", args,
                                            timeline="on", env_extra=env)
                     except (RuntimeError, subprocess.TimeoutExpired) as exc:
-                        print(f"shoal bench train: {exc}", file=sys.stderr)
-                        return 1
+                        _failed(result, exc, arch=arch, setting=setting, variant="base",
+                                backend=f"shoal timeline, {buckets} buckets", np=n)
+                        continue
                     result["overlap"].append({"arch": arch, "setting": setting,
                                               "backend": "shoal", "np": n, "buckets": buckets,
                                               "images_per_s": tput, **extra})
     print(format_table(result))
     write_results(args.out, result)
-    return 0
+    return 1 if result["failed"] else 0
+
+
+def _failed(result: dict[str, Any], exc: BaseException, **where: Any) -> None:
+    """A job that failed or timed out is recorded (and reported) and the run goes on."""
+    why = "timed out" if isinstance(exc, subprocess.TimeoutExpired) else str(exc)[-600:]
+    print(f"shoal bench train: {why}", file=sys.stderr, flush=True)
+    result["failed"].append({**where, "error": why})
