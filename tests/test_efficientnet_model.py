@@ -264,3 +264,24 @@ def test_bench_presets_are_the_applications_shapes() -> None:
 
     for arch in MODELS:
         assert preset(arch) == [(n, tuple(s)) for n, s in param_shapes(arch)]
+
+
+def test_small_cnn_of_the_benchmarks() -> None:
+    from apps.efficientnet.config import parse_args
+    from apps.efficientnet.model import SmallCNN
+    from apps.efficientnet.runtime.trainer import image_size
+    torch.manual_seed(0)
+    model = SmallCNN(10)
+    params = list(model.parameters())
+    # 4 convolutions (no bias), 4 BatchNorms (weight, bias), the classifier (weight, bias)
+    assert len(params) == 14 and sum(p.numel() for p in params) == 387_936 + 960 + 2_570
+    assert sum(isinstance(m, nn.BatchNorm2d) for m in model.modules()) == 4
+    synced = SmallCNN(10, norm_layer=nn.SyncBatchNorm)
+    assert sum(isinstance(m, nn.SyncBatchNorm) for m in synced.modules()) == 4
+    x = torch.randn(3, 3, 32, 32)
+    model(x).square().mean().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in params)
+    # the application takes it by name, at 32 px unless told otherwise
+    args = parse_args(["--arch", "small-cnn"])
+    assert args.arch == "small-cnn" and image_size(args) == 32
+    assert parse_args(["--arch", "b2"]).arch == "efficientnet-b2"

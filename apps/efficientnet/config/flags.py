@@ -16,7 +16,7 @@ import sys
 import warnings
 from collections.abc import Mapping, Sequence
 
-from apps.efficientnet.config.variants import VARIANTS
+from apps.efficientnet.config.variants import SMALL_CNN, VARIANTS
 
 __all__ = ["MODES", "build_parser", "parse_args", "sagemaker_argv", "str2bool"]
 
@@ -46,8 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("job")
     a = g.add_argument
     a("--mode", choices=MODES, default="train_and_eval")
-    a("--arch", default="efficientnet-b0", choices=sorted(VARIANTS),
-      type=lambda s: s if s.startswith("efficientnet-") else f"efficientnet-{s}")
+    a("--arch", default="efficientnet-b0", choices=[*sorted(VARIANTS), SMALL_CNN],
+      type=lambda s: s if s.startswith("efficientnet-") or s == SMALL_CNN
+      else f"efficientnet-{s}",
+      help=f"an EfficientNet, or {SMALL_CNN} (a small CNN for communication-bound benchmarks)")
     a("--num_classes", type=int, default=1000)
     a("--image_size", type=int, default=None, help="input resolution (default: the variant's)")
     a("--backend", choices=("shoal", "ddp-gloo", "ddp-shoal", "horovod"), default="shoal",

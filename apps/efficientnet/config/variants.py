@@ -15,6 +15,8 @@ __all__ = [
     "BASE_BLOCKS",
     "HEAD_CHANNELS",
     "SE_RATIO",
+    "SMALL_CNN",
+    "SMALL_CNN_RESOLUTION",
     "STEM_CHANNELS",
     "VARIANTS",
     "BlockArgs",
@@ -31,6 +33,11 @@ SE_RATIO = 0.25
 STEM_CHANNELS = 32
 #: Head (final 1x1 conv) channels of B0 (before width scaling).
 HEAD_CHANNELS = 1280
+#: The one architecture besides the EfficientNets: a small CNN, the communication-bound
+#: reference model of the benchmarks (:mod:`apps.efficientnet.model.small_cnn`).
+SMALL_CNN = "small-cnn"
+#: Its input resolution when ``--image_size`` is not given.
+SMALL_CNN_RESOLUTION = 32
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""EfficientNet model: MBConv blocks with squeeze-and-excitation and stochastic depth."""
+"""EfficientNet model: MBConv blocks with squeeze-and-excitation and stochastic depth; and the
+small CNN of the benchmarks."""
 
 from apps.efficientnet.model.efficientnet import (
     EfficientNet,
@@ -9,11 +10,13 @@ from apps.efficientnet.model.efficientnet import (
     efficientnet,
     param_shapes,
 )
+from apps.efficientnet.model.small_cnn import SmallCNN
 
 __all__ = [
     "EfficientNet",
     "MBConv",
     "NormLayer",
+    "SmallCNN",
     "SqueezeExcite",
     "drop_connect",
     "efficientnet",

@@ -21,8 +21,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from apps.efficientnet.config.variants import get_variant
-from apps.efficientnet.model import efficientnet
+from apps.efficientnet.config.variants import SMALL_CNN, SMALL_CNN_RESOLUTION, get_variant
+from apps.efficientnet.model import SmallCNN, efficientnet
 from apps.efficientnet.runtime.checkpoint import capture_rng, restore_rng
 from apps.efficientnet.runtime.distributed import Dist, average, unwrap, wrap
 from apps.efficientnet.runtime.losses import (
@@ -81,7 +81,9 @@ class Trainer:
 
 def image_size(args: argparse.Namespace) -> int:
     """``--image_size`` or the variant's resolution."""
-    return args.image_size or get_variant(args.arch).resolution
+    if args.image_size:
+        return args.image_size
+    return SMALL_CNN_RESOLUTION if args.arch == SMALL_CNN else get_variant(args.arch).resolution
 
 
 def build_trainer(args: argparse.Namespace, dist: Dist, steps_per_epoch: int) -> Trainer:
@@ -89,10 +91,10 @@ def build_trainer(args: argparse.Namespace, dist: Dist, steps_per_epoch: int) ->
     0's weights."""
     torch.manual_seed(args.seed)
     norm = dist.hvd.SyncBatchNorm if args.batch_norm == "syncbn" else None
-    model = efficientnet(args.arch, num_classes=args.num_classes, norm_layer=norm,
-                         drop_connect_rate=args.drop_connect_rate,
-                         bn_momentum=1.0 - args.bn_momentum, bn_eps=args.bn_epsilon
-                         ).to(dist.device)
+    bn = {"bn_momentum": 1.0 - args.bn_momentum, "bn_eps": args.bn_epsilon, "norm_layer": norm}
+    model = (SmallCNN(args.num_classes, **bn) if args.arch == SMALL_CNN else
+             efficientnet(args.arch, num_classes=args.num_classes,
+                          drop_connect_rate=args.drop_connect_rate, **bn)).to(dist.device)
     global_batch = args.train_batch_size * dist.size
     base_lr = args.lr_init * global_batch / 256
     optimizer = build_optimizer(args.optimizer, model, base_lr, args.weight_decay,
