@@ -128,6 +128,19 @@ def _single(rank: int) -> None:
     assert shoal.broadcast_object("hi") == "hi"
     assert (shoal.size(), shoal.rank(), shoal.local_size(), shoal.cross_size()) == \
         (1, 0, 1, 1)
+    # alone, an allreduce is its input: done when submitted, for every op, in place or not
+    import numpy as np
+    for op in (shoal.Average, shoal.Sum, shoal.Min, shoal.Max, shoal.Product):
+        out = np.empty_like(x)
+        handle = shoal.allreduce_async(x, op, name=f"alone.{op}", out=out)
+        assert handle.done() and handle.wait() is out
+        np.testing.assert_array_equal(out, x)
+    y = x.copy()
+    seen = []
+    handle = shoal.allreduce_async(y, name="alone.inplace", out=y)
+    handle.add_done_callback(lambda h: seen.append(h.wait()))
+    assert seen and seen[0] is y
+    np.testing.assert_array_equal(y, x)
 
 
 def test_single_process_world() -> None:

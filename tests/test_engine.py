@@ -151,3 +151,30 @@ def _big_negotiation(rank: int) -> list[int]:
 def test_negotiation_blobs_larger_than_a_slot(hosts) -> None:
     results = run_ranks(_big_negotiation, 4, hosts=hosts, shm_chunk_bytes=4096)
     assert all(r == [0, 10, 10_000, 5, 1] for r in results), results
+
+
+def _fused(rank: int) -> tuple[float, float]:
+    import time
+
+    import shoal
+    n = shoal.size()
+    shoal.barrier()
+    inputs = [rank_input("bucket", r, (1001,), "float32") for r in range(n)]
+    start = time.monotonic()
+    handle = shoal.allreduce_async(inputs[rank], name="bucket", fused=True)
+    while not handle.done():  # the engine's own thread runs it: no caller drives rounds
+        time.sleep(0.001)
+        assert time.monotonic() - start < 30, "fused request not started"
+    fused_s = time.monotonic() - start
+    assert_matches(handle.wait(), reference(inputs, "AVERAGE", "float32"), "float32", "bucket")
+    start = time.monotonic()
+    handle = shoal.allreduce_async(inputs[rank], name="tensor")
+    while not handle.done():
+        time.sleep(0.001)
+    return fused_s, time.monotonic() - start
+
+
+def test_fused_requests_skip_the_cycle_wait() -> None:
+    # a 3 s cycle: a plain request waits for it, a caller-fused one (a bucket) starts at once
+    for fused_s, plain_s in run_ranks(_fused, 2, cycle_time_ms=3000, timeout=60):
+        assert fused_s < 2.5 <= plain_s, (fused_s, plain_s)

@@ -342,13 +342,15 @@ def _chain(engine: Engine, req: Request, result: Any, wake: bool) -> Handle:
 def allreduce_async(array: np.ndarray, op: ReduceOp = ReduceOp.AVERAGE,
                     name: str | None = None, out: np.ndarray | None = None,
                     compression: Codec = Compression.none, *, bf16: bool = False,
-                    _wake: bool = True) -> Handle:
+                    fused: bool = False, _wake: bool = True) -> Handle:
     """Start combining ``array`` across ranks; returns a :class:`Handle` at once.
 
     Requests are fused and ordered by the engine: ranks may submit them in any order, but
     every rank must submit the same names with the same shapes, dtypes and ops. ``bf16=True``
     marks a 16-bit integer array as holding bfloat16 words (how adapters hand over bfloat16
-    tensors when ``ml_dtypes`` is not installed).
+    tensors when ``ml_dtypes`` is not installed). ``fused=True`` says the caller has fused
+    its tensors already (a gradient bucket): the engine starts it at once instead of waiting
+    ``cycle_time_ms`` for more requests to fuse it with.
     """
     engine = _engine()
     op = ReduceOp(op)
@@ -362,7 +364,7 @@ def allreduce_async(array: np.ndarray, op: ReduceOp = ReduceOp.AVERAGE,
     desc = (f"allreduce shape={_shape(array)} dtype={dtype} op={op.name.capitalize()} "
             f"compression={compression.name}")
     req = Request(Kind.ALLREDUCE, name, _storage(array, dtype), _storage(out, dtype), dtype,
-                  desc, op=op, codec=compression)
+                  desc, op=op, codec=compression, fused=fused)
     return _chain(engine, req, out, _wake)
 
 

@@ -79,6 +79,7 @@ class Request:
     enqueued: float = field(default_factory=time.perf_counter)
     warned: bool = False
     missing: tuple[int, ...] = ()
+    fused: bool = False          # the caller fused it already (a bucket): no cycle wait
 
 
 def mismatch_message(what: str, descs: dict[int, str]) -> str:
@@ -130,9 +131,18 @@ class Engine:
             if req.name in self._pending:
                 raise ValueError(f"rank {self.rank}: a collective named {req.name!r} is already "
                                  f"in flight; wait for it or use another name")
-            self._pending[req.name] = req
-            if wake:
-                self._cv.notify()
+            if self.size == 1 and req.kind is Kind.ALLREDUCE and req.out is not None:
+                # one rank: every op (and codec) leaves the input as it is; no round to wait for
+                if req.out.ctypes.data != req.array.ctypes.data:
+                    np.copyto(req.out, req.array)
+                alone = True
+            else:
+                self._pending[req.name] = req
+                alone = False
+                if wake:
+                    self._cv.notify()
+        if alone:  # outside the lock: done-callbacks run here, and may submit
+            req.future.set_result(req.out if req.result is None else req.result)
         return req.future
 
     def _check_usable(self) -> None:
@@ -170,17 +180,21 @@ class Engine:
     # -- background thread -----------------------------------------------------------------
     def _loop(self) -> None:
         cycle = self.cfg.cycle_time_ms / 1000.0
+        progressed = True
         while True:
             with self._cv:
                 while not self._pending and not self._stopping:
                     self._cv.wait(1.0)
                 if self._stopping:
                     return
-            time.sleep(cycle)  # let more tensors arrive, to fuse them
+                fused = all(r.fused for r in self._pending.values())
+            if not (fused and progressed):
+                time.sleep(cycle)  # let more tensors arrive, to fuse them
             if not self._run.acquire(timeout=1.0):
                 self._check_stalls()
                 continue
             try:
+                progressed = True
                 if self._pending and self._broken is None:
                     progressed = self._round()
                     if not progressed:

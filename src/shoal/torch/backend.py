@@ -227,8 +227,10 @@ class ShoalProcessGroup(dist.ProcessGroup):
                 sop = _BOOL_OPS.get(sop, sop)
             st = stage(tensor, copy=bool(copy and copy[i]))
             staged.append(st)
+            # each torch.distributed call is its own collective (DDP's are buckets already):
+            # started at once, not held back a cycle for fusion
             handles.append(shoal.allreduce_async(st.array, sop, name=name, out=st.array,
-                                                 bf16=st.bf16))
+                                                 bf16=st.bf16, fused=True))
         return slot, staged, handles
 
     def allreduce(self, tensors: list[torch.Tensor],

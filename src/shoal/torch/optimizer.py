@@ -7,9 +7,10 @@ backward produces gradients); a full bucket goes to the engine at once, so its r
 while backward is still computing earlier layers. ``step()`` waits only for what is still in
 flight, then runs the wrapped optimizer.
 
-Parameters that got no gradient in a step (unused branches) are reduced as zeros at
-``synchronize()``, as Horovod does: every rank must reduce the same set, or the ranks that did
-compute it would wait forever. Frozen parameters (``requires_grad=False``) are never touched.
+Parameters that got no gradient in a step (unused branches) are reduced at ``synchronize()``
+with the gradient they hold, zeros if they hold none, as Horovod does: every rank must reduce
+the same set, or the ranks that did compute it would wait forever. Frozen parameters
+(``requires_grad=False``) are never touched.
 """
 
 from __future__ import annotations
@@ -147,7 +148,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def synchronize(self) -> None:
         """Wait for every gradient's reduction (parameters backward gave no gradient are
-        reduced as zeros, so every rank reduces the same set)."""
+        reduced with the gradient they hold, or zeros, so every rank reduces the same set)."""
         try:
             self._buckets.finish()
         finally:
