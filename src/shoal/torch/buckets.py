@@ -155,8 +155,7 @@ class Buckets:
             s.host.mul_(1.0 / self._predivide)
             op = ReduceOp.SUM
         b.handle = shoal.allreduce_async(s.array, op=op, name=b.name, out=s.array,
-                                         compression=self._compression, bf16=s.bf16,
-                                         fused=True)
+                                         compression=self._compression, bf16=s.bf16)
         b.staged = s
 
     def finish(self) -> None:
