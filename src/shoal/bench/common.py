@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -144,6 +145,6 @@ def write_results(path: str, payload: dict[str, Any]) -> None:
     """Write a results JSON file (creating its folder) and say where it went."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
-        json.dump({"command": " ".join(["shoal", *sys.argv[1:]]), "machine": machine(),
+        json.dump({"command": shlex.join(["shoal", *sys.argv[1:]]), "machine": machine(),
                    **payload}, f, indent=1)
     print(f"results written to {path}")

@@ -204,7 +204,9 @@ def _train_plots(data: dict[str, Any], plots: str, name: str) -> list[str]:
 
 def _train_section(data: dict[str, Any], plots: str, name: str = "train") -> list[str]:
     title = data.get("title") or "End-to-end training throughput"
-    out = [f"## {title}", "", f"Command: `{data['command']}`", "",
+    m = data.get("machine", {})
+    out = [f"## {title}", "", f"Command: `{data['command']}` (measured {m.get('date', '?')} "
+           f"at commit {m.get('commit', '?')})", "",
            f"Synthetic data, {data['threads']} intra-op thread(s) per worker on "
            f"{data.get('cores', '?')} cores, {data['steps']} timed steps per job after "
            f"{data['warmup']} warm-up steps; images/s over all workers (median over trials); "
@@ -263,7 +265,8 @@ def build(folder: str) -> str:
         first = first or data
         lines += section(data, plots) if name == "allreduce" else section(data)
     # train.json, then any train-*.json (further training comparisons), each its own section
-    for path in sorted(glob.glob(os.path.join(folder, "train*.json"))):
+    for path in sorted(glob.glob(os.path.join(folder, "train*.json")),
+                       key=lambda p: (os.path.basename(p) != "train.json", p)):
         name = os.path.splitext(os.path.basename(path))[0]
         data = _load(folder, name)
         first = first or data
