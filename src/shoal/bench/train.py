@@ -31,6 +31,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from typing import Any
 
 from . import overlap
@@ -114,14 +115,22 @@ def _job(backend: str, n: int, arch: str, setting: str, variant: str,
             dirs = [tmp]
             commands = [_command(backend, n,
                                  _app_args(arch, setting, variant, backend, tmp, args))]
-        procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                  env=env) for c in commands]
+        # output goes to files, not pipes: a job that filled a pipe nobody reads yet would
+        # stall, and its throughput with it
+        logs = [os.path.join(tmp, f"stderr.{k}") for k in range(len(commands))]
+        procs = []
+        for command, log in zip(commands, logs, strict=True):
+            with open(log, "w") as err:
+                procs.append(subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=err,
+                                              env=env))
         failed = []
         try:
-            for proc in procs:
-                _, err = proc.communicate(timeout=args.timeout)
+            deadline = time.monotonic() + args.timeout
+            for proc, log in zip(procs, logs, strict=True):
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
                 if proc.returncode != 0:
-                    failed.append(err[-800:])
+                    with open(log) as f:
+                        failed.append(f.read()[-800:])
         finally:
             for proc in procs:
                 if proc.poll() is None:
