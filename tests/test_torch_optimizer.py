@@ -111,9 +111,45 @@ def _twice(rank: int) -> str:
     return "no error"
 
 
-def test_second_backward_without_step_is_refused() -> None:
-    for text in run_ranks(_twice, 2, timeout=60):
+@pytest.mark.parametrize("n", [1, 2])
+def test_second_backward_without_step_is_refused(n) -> None:
+    for text in run_ranks(_twice, n, timeout=60):
         assert "computed again before step()" in text and "backward_passes_per_step" in text
+
+
+def _alone(rank: int) -> None:
+    import shoal.torch as hvd
+    model, ref = _Net(), _Net()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                   model.named_parameters(), backward_passes_per_step=2,
+                                   gradient_predivide_factor=4.0)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    for step in range(3):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        for net in (model, ref):
+            for k in range(2):
+                x, y = _data(step, k)
+                loss_fn(net(x), y).backward()
+        if step == 1:
+            opt.synchronize()
+            with opt.skip_synchronize():
+                opt.step()
+        else:
+            opt.step()
+        ref_opt.step()
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p, q)  # alone, every reduction is the identity: bit for bit
+    # gradients stay where backward put them; nothing was packed into a bucket
+    assert model.unused.weight.grad is None
+    buffers = {b.flat.untyped_storage().data_ptr() for b in opt._buckets._buckets}
+    assert all(p.grad.untyped_storage().data_ptr() not in buffers
+               for p in model.parameters() if p.grad is not None)
+
+
+def test_one_process_is_the_wrapped_optimizer() -> None:
+    run_ranks(_alone, 1, timeout=60)
 
 
 def test_automatic_bucket_size() -> None:

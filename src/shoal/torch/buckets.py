@@ -201,7 +201,8 @@ class Buckets:
             return
         seen, self._arrival = self._arrival, None
         order = list(dict.fromkeys(seen))
-        order += [i for i in reversed(range(len(self._params))) if i not in set(order)]
+        reached = set(order)
+        order += [i for i in reversed(range(len(self._params))) if i not in reached]
         order = shoal.broadcast_object(order, root_rank=0, name="shoal.torch.buckets.order")
         current = [self._index[p] for b in self._buckets for p in b.params]
         if order != current:

@@ -79,6 +79,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 len(os.sched_getaffinity(0)), cfg.fusion_threshold)
         self._buckets = Buckets(trained, self._names, bucket_bytes, compression, op,
                                 gradient_predivide_factor)
+        # alone, every reduction is the identity: count gradients (for the same errors as
+        # with peers) but leave them where backward put them, as Horovod does at size 1
+        self._alone = shoal.size() == 1
         for p in trained:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
 
@@ -138,7 +141,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _on_grad(self, p: torch.nn.Parameter) -> None:
         count = self._counts.get(p, 0) + 1
         self._counts[p] = count
-        if count == self._passes:
+        if count == self._passes and not self._alone:
             self._buckets.arrived(p)
         elif count > self._passes:
             raise RuntimeError(f"rank {shoal.rank()}: gradient of {self._names[p]} was computed "
@@ -150,7 +153,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Wait for every gradient's reduction (parameters backward gave no gradient are
         reduced with the gradient they hold, or zeros, so every rank reduces the same set)."""
         try:
-            self._buckets.finish()
+            if not self._alone:
+                self._buckets.finish()
         finally:
             self._counts.clear()
         self._synchronized = True
