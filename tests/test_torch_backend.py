@@ -220,6 +220,12 @@ def test_ddp_matches_single_process_2_ranks() -> None:
     assert run_ranks(_ddp, 2, ALL_CASES, timeout=50) == ["ok"] * 2
 
 
+def test_ddp_alone() -> None:
+    # one rank: every collective completes when submitted; DDP still trains as one process
+    cases = [("conv", "plain"), ("mlp", "no_sync"), ("mlp", "fp16"), ("conv", "static")]
+    assert run_ranks(_ddp, 1, cases, timeout=50) == ["ok"]
+
+
 def test_ddp_3_ranks_and_2x2_nodes() -> None:
     cases = [("conv", "plain"), ("mlp", "no_sync"), ("mlp", "fp16")]
     assert run_ranks(_ddp, 3, cases, timeout=50) == ["ok"] * 3
