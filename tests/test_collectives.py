@@ -135,6 +135,10 @@ def _single(rank: int) -> None:
         handle = shoal.allreduce_async(x, op, name=f"alone.{op}", out=out)
         assert handle.done() and handle.wait() is out
         np.testing.assert_array_equal(out, x)
+    b = x.copy()
+    handle = shoal.broadcast_async(b, 0, name="alone.broadcast")
+    assert handle.done() and handle.wait() is b
+    np.testing.assert_array_equal(b, x)
     y = x.copy()
     seen = []
     handle = shoal.allreduce_async(y, name="alone.inplace", out=y)

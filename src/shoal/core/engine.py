@@ -131,8 +131,10 @@ class Engine:
             if req.name in self._pending:
                 raise ValueError(f"rank {self.rank}: a collective named {req.name!r} is already "
                                  f"in flight; wait for it or use another name")
-            if self.size == 1 and req.kind is Kind.ALLREDUCE and req.out is not None:
-                # one rank: every op (and codec) leaves the input as it is; no round to wait for
+            if (self.size == 1 and req.kind in (Kind.ALLREDUCE, Kind.BROADCAST)
+                    and req.out is not None):
+                # one rank: every op (and codec) leaves the input as it is, and a broadcast
+                # comes from this rank; no round to wait for
                 if req.out.ctypes.data != req.array.ctypes.data:
                     np.copyto(req.out, req.array)
                 alone = True
