@@ -75,6 +75,8 @@ def test_tiny_train_run(tmp_path) -> None:
     assert rows[("shoal", 1)]["median"] > 0 and rows[("shoal", 2)]["efficiency"] > 0
     # the ceiling: two single-worker jobs at once, throughputs added up
     assert rows[("independent", 2)]["median"] > 0 and rows[("independent", 2)]["n"] == 1
+    assert "shoal throughput / theirs, efficientnet-b0 32:2 base np=2: " in proc.stdout
+    assert "x independent" in proc.stdout  # the console table gives the ratios too
     # a peer that is not installed is reported, never silently dropped
     assert "horovod" in data["missing"]
     # overlap is measured with the automatic bucket size and with 2 MiB buckets

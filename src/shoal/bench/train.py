@@ -159,11 +159,20 @@ def format_table(result: dict[str, Any]) -> str:
     for f in result.get("failed", []):
         lines.append(f"  FAILED {f['arch']} {f['setting']} {f['variant']} np={f['np']} "
                      f"{f['backend']}: {f['error'].splitlines()[-1] if f['error'] else ''}")
+    by_config: dict[tuple[str, str, str, int], dict[str, float]] = {}
     for row in result["results"]:
         tag = " (oversubscribed)" if row["oversubscribed"] else ""
         eff = f", efficiency {row['efficiency']:.1%}" if row.get("efficiency") else ""
         lines.append(f"  {row['arch']} {row['setting']} {row['variant']:>7} np={row['np']} "
                      f"{row['backend']:>9}: {row['median']:.1f}{eff}{tag}")
+        key = (row["arch"], row["setting"], row["variant"], row["np"])
+        by_config.setdefault(key, {})[row["backend"]] = row["median"]
+    for (arch, setting, variant, n), per in by_config.items():
+        ratios = [f"{per['shoal'] / per[b]:.2f}x {b}" for b in BACKENDS[1:]
+                  if "shoal" in per and per.get(b)]
+        if ratios:
+            lines.append(f"  shoal throughput / theirs, {arch} {setting} {variant} np={n}: "
+                         + ", ".join(ratios))
     for o in result.get("overlap", []):
         lines.append(f"  overlap {o['setting']} np={o['np']} {o['backend']} "
                      f"({o['buckets']} buckets, {o['images_per_s']:.1f} images/s): "
