@@ -15,6 +15,7 @@ import os
 from typing import Any
 
 from .stats import human_bytes
+from .train import BACKENDS as _TRAIN_ORDER
 
 __all__ = ["add_arguments", "build", "run"]
 
@@ -130,7 +131,6 @@ def _cluster_section(data: dict[str, Any]) -> list[str]:
     return [*out, ""]
 
 
-_TRAIN_ORDER = ("shoal", "ddp-shoal", "ddp-gloo", "horovod", "independent")
 
 
 def _train_table(data: dict[str, Any]) -> list[str]:

@@ -72,16 +72,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._hooks = []
         self._check_same_model_everywhere()
         trained = [p for p in self._names if p.requires_grad]
-        if bucket_bytes is None:
-            cfg = shoal.communicator().cfg
-            bucket_bytes = cfg.bucket_bytes or auto_bucket_bytes(
-                {p.device.type for p in trained}, shoal.local_size(), torch.get_num_threads(),
-                len(os.sched_getaffinity(0)), cfg.fusion_threshold)
-        self._buckets = Buckets(trained, self._names, bucket_bytes, compression, op,
-                                gradient_predivide_factor)
-        # alone, every reduction is the identity: count gradients (for the same errors as
-        # with peers) but leave them where backward put them, as Horovod does at size 1
-        self._alone = shoal.size() == 1
+        # alone, every reduction is the identity: no buckets; gradients are counted (for the
+        # same errors as with peers) and left where backward put them, as Horovod does
+        self._buckets: Buckets | None = None
+        if shoal.size() > 1:
+            if bucket_bytes is None:
+                cfg = shoal.communicator().cfg
+                bucket_bytes = cfg.bucket_bytes or auto_bucket_bytes(
+                    {p.device.type for p in trained}, shoal.local_size(),
+                    torch.get_num_threads(), len(os.sched_getaffinity(0)),
+                    cfg.fusion_threshold)
+            self._buckets = Buckets(trained, self._names, bucket_bytes, compression, op,
+                                    gradient_predivide_factor)
         for p in trained:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
 
@@ -141,8 +143,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _on_grad(self, p: torch.nn.Parameter) -> None:
         count = self._counts.get(p, 0) + 1
         self._counts[p] = count
-        if count == self._passes and not self._alone:
-            self._buckets.arrived(p)
+        if count == self._passes:
+            if self._buckets is not None:
+                self._buckets.arrived(p)
         elif count > self._passes:
             raise RuntimeError(f"rank {shoal.rank()}: gradient of {self._names[p]} was computed "
                                f"again before step(); call optimizer.step() (or "
@@ -153,7 +156,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Wait for every gradient's reduction (parameters backward gave no gradient are
         reduced with the gradient they hold, or zeros, so every rank reduces the same set)."""
         try:
-            if not self._alone:
+            if self._buckets is not None:
                 self._buckets.finish()
         finally:
             self._counts.clear()
@@ -177,9 +180,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients; refused while reductions are in flight (they would be lost)."""
-        if self._buckets.in_flight:
+        in_flight = self._buckets.in_flight if self._buckets is not None else 0
+        if in_flight:
             raise RuntimeError(f"rank {shoal.rank()}: zero_grad() called with "
-                               f"{self._buckets.in_flight} gradient buckets in flight; call "
+                               f"{in_flight} gradient buckets in flight; call "
                                f"step() or synchronize() first")
         self._inner.zero_grad(set_to_none=set_to_none)
 
