@@ -25,6 +25,10 @@ _ctx = mp.get_context("forkserver")
 _ctx.set_forkserver_preload(["numpy", "shoal", "harness"])
 
 
+#: in a rank: the arguments its ``shoal.init`` got (tests that re-initialise reuse them)
+INIT_ARGS: dict[str, Any] = {}
+
+
 class RankFailureError(AssertionError):
     """One or more ranks raised or hung."""
 
@@ -44,9 +48,10 @@ def _worker(fn: Callable[..., Any], rank: int, size: int, host: str, port: int, 
     import faulthandler
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the harness asks on a hang
     import shoal
+    INIT_ARGS.update(rank=rank, size=size, rendezvous_addr="127.0.0.1", rendezvous_port=port,
+                     hostname=host, job_id=job, serve_store=False, **settings)
     try:
-        shoal.init(rank=rank, size=size, rendezvous_addr="127.0.0.1", rendezvous_port=port,
-                   hostname=host, job_id=job, serve_store=False, **settings)
+        shoal.init(**INIT_ARGS)
         try:
             value = fn(rank, *args)
         finally:

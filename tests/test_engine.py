@@ -70,7 +70,7 @@ def test_shuffled_submission_orders_match_reference(layout: str) -> None:
 
 def _fusion(rank: int) -> tuple[int, int]:
     import shoal
-    engine = shoal.core.api._engine()
+    engine = shoal.communicator().engine
     xs = [np.full(100 + i, rank + 1.0, np.float32) for i in range(50)]
     before = engine._buffers
     handles = [shoal.allreduce_async(x, name=f"g{i}", op=shoal.Sum) for i, x in enumerate(xs)]
@@ -141,7 +141,7 @@ def test_timeline_is_chrome_trace_with_every_phase(tmp_path) -> None:
 
 def _big_negotiation(rank: int) -> list[int]:
     import shoal
-    comm = shoal.communicator()
+    comm = shoal.communicator().transport
     blob = bytes([rank]) * [0, 10, 10_000, 5][rank]  # up to 2.5 slots of 4 KiB
     got = comm.gather_all(blob, "test")
     return [len(b) for b in got] + [int(all(set(b) <= {r} for r, b in enumerate(got)))]

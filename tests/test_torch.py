@@ -85,7 +85,7 @@ def _overlap(rank: int, path: str) -> tuple[float, float, float]:
         loss.backward()
         windows.append((backward_start, time.perf_counter()))
         opt.step()
-    tl = shoal.core.api._engine().timeline
+    tl = shoal.communicator().engine.timeline
     return windows, tl._t0
 
 

@@ -8,14 +8,12 @@ DDP runs are checked against one process training on the concatenated batch.
 
 from __future__ import annotations
 
-import types
 import zlib
 
 import pytest
 
 torch = pytest.importorskip("torch")
 from harness import run_ranks  # noqa: E402
-from shoal import ShoalError  # noqa: E402
 
 
 def _init(rank: int) -> None:
@@ -26,8 +24,10 @@ def _init(rank: int) -> None:
     torch.set_num_threads(1)
     b.register()
     b.register()  # idempotent
+    import tempfile
+    path = f"{tempfile.gettempdir()}/shoal-{shoal.communicator().job_id}-torchstore"
     dist.init_process_group("shoal", rank=rank, world_size=shoal.size(),
-                            store=dist.HashStore())
+                            store=dist.FileStore(path, shoal.size()))
 
 
 def _rand(case: str, rank: int, shape: tuple[int, ...], dtype=torch.float32) -> torch.Tensor:
@@ -136,11 +136,25 @@ def _collectives(rank: int) -> str:
     for i, (t, work) in enumerate(zip(ts, works, strict=True)):
         work.wait()
         close(t, torch.stack([_rand(f"w{i}", r, (3,)) for r in range(n)]).sum(0))
-    # c10d and shoal must agree on who is who
-    wrong = types.SimpleNamespace(group_rank=(rank + 1) % n, group_size=n, timeout=None,
-                                  global_ranks_in_group=[], group_id="x")
-    with pytest.raises(ShoalError, match="shoal was initialised as rank"):
-        b._create(wrong)
+    # subgroups are communicators of their own, usable alongside the default group
+    ends = dist.new_group([0, n - 1])
+    evens = dist.new_group(list(range(0, n, 2)))
+    t = _rand("sub", rank, (4, 3))
+    if rank in (0, n - 1):
+        dist.all_reduce(t, group=ends)
+        close(t, _rand("sub", 0, (4, 3)) + _rand("sub", n - 1, (4, 3)))
+        assert dist.get_world_size(ends) == 2
+    u = torch.full((2,), float(rank))
+    if rank % 2 == 0:  # in flight on one group while another runs
+        work = dist.all_reduce(u, group=evens, async_op=True)
+    if rank in (0, n - 1):
+        v = torch.ones(3)
+        dist.all_reduce(v, group=ends)
+        assert v.tolist() == [2.0] * 3
+    if rank % 2 == 0:
+        work.wait()
+        assert u.tolist() == [float(sum(range(0, n, 2)))] * 2
+    dist.barrier()
     dist.destroy_process_group()
     return "ok"
 

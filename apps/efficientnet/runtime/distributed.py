@@ -61,7 +61,7 @@ class Dist:
         return self.rank == 0
 
 
-def _gloo_store(rank: int, size: int) -> tdist.Store:
+def _torch_store(rank: int, size: int) -> tdist.Store:
     """A TCPStore served by rank 0 on a free port; its address travels over shoal."""
     store = None
     where: tuple[str, int] | None = None
@@ -70,7 +70,7 @@ def _gloo_store(rank: int, size: int) -> tdist.Store:
             socket.gethostname())
         store = tdist.TCPStore(host, 0, size, is_master=True, wait_for_workers=False)
         where = (host, store.port)
-    host, port = hvd.broadcast_object(where, root_rank=0, name="efficientnet.gloo_store")
+    host, port = hvd.broadcast_object(where, root_rank=0, name="efficientnet.torch_store")
     if store is None:
         store = tdist.TCPStore(host, port, size, is_master=False)
     return store
@@ -94,16 +94,12 @@ def init_distributed(backend: str = "shoal", device: str | None = None) -> Dist:
     dev = torch.device(device)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    if backend == "ddp-shoal":
-        if not tdist.is_backend_available("shoal"):
-            raise RuntimeError("--backend ddp-shoal needs the 'shoal' torch.distributed backend "
-                               "(shoal.torch.backend), which this shoal installation lacks; "
-                               "use --backend shoal or ddp-gloo")
-        if not tdist.is_initialized():
-            tdist.init_process_group("shoal", rank=rank, world_size=size,
-                                     store=tdist.HashStore())
-    elif backend == "ddp-gloo" and not tdist.is_initialized():
-        tdist.init_process_group("gloo", store=_gloo_store(rank, size), rank=rank,
+    if backend == "ddp-shoal" and not tdist.is_backend_available("shoal"):
+        raise RuntimeError("--backend ddp-shoal needs the 'shoal' torch.distributed backend "
+                           "(shoal.torch.backend), which this shoal installation lacks; "
+                           "use --backend shoal or ddp-gloo")
+    if backend.startswith("ddp-") and not tdist.is_initialized():
+        tdist.init_process_group(backend[4:], store=_torch_store(rank, size), rank=rank,
                                  world_size=size)
     return Dist(backend, rank, size, local_rank, hvd.local_size(), dev, hvd)
 

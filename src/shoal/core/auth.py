@@ -21,7 +21,7 @@ import socket
 from .errors import AuthenticationError, PeerLostError
 from .netutil import recv_exact
 
-__all__ = ["MAGIC", "client_handshake", "secret_bytes", "server_handshake"]
+__all__ = ["MAGIC", "HandshakeClosedError", "client_handshake", "secret_bytes", "server_handshake"]
 
 MAGIC = b"SHOAL\x00\x01\x00"
 _NONCE = 32
@@ -57,13 +57,18 @@ def server_handshake(sock: socket.socket, secret: bytes, role: bytes) -> None:
     sock.sendall(_mac(secret, b"S", role, nonce_s, nonce_c))
 
 
+class HandshakeClosedError(AuthenticationError):
+    """The server closed the connection during the handshake: it refused our proof, or it
+    was shutting down at that moment (a caller may retry a few times to tell which)."""
+
+
 def client_handshake(sock: socket.socket, secret: bytes, role: bytes) -> None:
     """Answer a server's challenge and check that the server knows the secret too."""
     what = "server"
     try:
         hello = recv_exact(sock, len(MAGIC) + _NONCE, what)
     except PeerLostError as exc:
-        raise AuthenticationError(f"server closed the connection before the challenge: {exc}") \
+        raise HandshakeClosedError(f"server closed the connection before the challenge: {exc}") \
             from None
     if hello[: len(MAGIC)] != MAGIC:
         raise AuthenticationError("server is not a shoal endpoint (bad magic bytes)")
@@ -73,7 +78,7 @@ def client_handshake(sock: socket.socket, secret: bytes, role: bytes) -> None:
     try:
         proof = recv_exact(sock, _MAC, what)
     except PeerLostError:
-        raise AuthenticationError(
+        raise HandshakeClosedError(
             "server refused our proof: this process and the server hold different job secrets "
             "(SHOAL_SECRET must be the same on every rank; shoalrun sets it)") from None
     if not hmac.compare_digest(proof, _mac(secret, b"S", role, nonce_s, nonce_c)):

@@ -1,8 +1,9 @@
-"""The communicator: one per process, owning the transports and moving data.
+"""The transport layer of a communicator: the TCP mesh and shared-memory group of one
+communicator, and the data movement built on them.
 
 Its methods are *execution* primitives: they assume every rank calls the same one with
 matching arguments. Deciding that (negotiation, mismatch detection, ordering, fusion) is the
-engine's job (:mod:`shoal.core.engine`), which uses :meth:`Communicator.gather_all` for it.
+engine's job (:mod:`shoal.core.engine`), which uses :meth:`Transport.gather_all` for it.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from .topology import World
 from .transport.shm import ShmGroup
 from .transport.tcp import TcpMesh
 
-__all__ = ["Communicator", "pack_blobs", "unpack_blobs"]
+__all__ = ["Transport", "pack_blobs", "unpack_blobs"]
 
 log = logging.getLogger("shoal.comm")
 _LEN = struct.Struct("!q")
@@ -49,8 +50,9 @@ def unpack_blobs(data: bytes) -> list[bytes]:
     return out
 
 
-class Communicator:
-    """Data movement for one job; built by :func:`shoal.init`."""
+class Transport:
+    """Data movement for one communicator (:class:`shoal.core.communicator.Communicator`
+    builds it and owns it)."""
 
     def __init__(self, cfg: Config, world: World, mesh: TcpMesh | None,
                  shm: ShmGroup | None) -> None:

@@ -79,8 +79,11 @@ KNOBS: dict[str, Knob] = _knobs(
     Knob("bind_addr", str, None, "address the data and store ports listen on "
          "(default: the address peers were told to use, never all interfaces)"),
     # time limits
-    Knob("timeout_s", float, 300.0, "longest wait for a live peer inside a collective (a dead "
-         "process or closed connection is reported at once)"),
+    Knob("timeout_s", float, 0.0, "hard limit on any wait inside a collective, even for a live "
+         "peer (0: none; a dead, frozen or unreachable peer is found by heartbeats)"),
+    Knob("heartbeat_interval_s", float, 1.0, "how often every rank tells its peers it is alive"),
+    Knob("heartbeat_timeout_s", float, 10.0, "a peer silent this long is lost (killed, frozen "
+         "or unreachable); a live, busy peer is waited for"),
     Knob("start_timeout_s", float, 120.0, "longest wait for every rank to join the rendezvous"),
     # transports and algorithms
     Knob("allreduce_algorithm", str, "auto", "auto | shm | ring | hierarchical"),
@@ -96,7 +99,11 @@ KNOBS: dict[str, Knob] = _knobs(
          "(DistributedOptimizer): one reduction per bucket, submitted when it is full; 0: "
          "2 MiB, or one fusion buffer when CPU workers already use every core"),
     Knob("cycle_time_ms", float, 1.0, "how long the engine waits for more tensors to fuse"),
-    Knob("stall_warning_s", float, 60.0, "warn when a tensor waits this long for other ranks"),
+    Knob("stall_warning_s", float, 60.0, "warn when a tensor waits this long for other ranks; "
+         "ranks that all wait this long on collectives that cannot match get "
+         "CollectiveMismatchError"),
+    Knob("name_cache_size", int, 4096, "collective names the engine remembers (least recently "
+         "used ones are forgotten, by every rank alike)"),
     Knob("stall_shutdown_s", float, 0.0, "fail a stalled tensor after this long (0: never)"),
     Knob("timeline", str, None, "write a Chrome-trace timeline to this path"),
     Knob("log_level", str, "WARNING", "logging level of the shoal loggers"),

@@ -2,7 +2,7 @@
 
 Framework hooks and the API ``submit`` requests and get a future back at once. Progress is
 made in *rounds*, each a collective of its own: every rank proposes what it has pending, all
-ranks see every proposal (:meth:`Communicator.gather_all`: one shared-memory round on a host,
+ranks see every proposal (:meth:`Transport.gather_all`: one shared-memory round on a host,
 one small TCP exchange across hosts), and all compute the same answer: which requests are
 ready on every rank, in which order, fused into which buffers. So ranks may submit in
 different orders and still agree, and disagreement (same name, other shape, dtype or op) is a
@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from .comm import Communicator
+from .comm import Transport
 from .compression import Codec, Compression
 from .config import Config
 from .errors import CollectiveMismatchError, PeerLostError, ShoalError, ShoalTimeoutError
@@ -96,16 +96,15 @@ def mismatch_message(what: str, descs: dict[int, str]) -> str:
 class Engine:
     """Negotiates, orders, fuses and runs this process's collectives."""
 
-    def __init__(self, comm: Communicator, cfg: Config,
+    def __init__(self, comm: Transport, cfg: Config,
                  explain: Callable[[PeerLostError, Callable[[], None]], PeerLostError]
-                 | None = None) -> None:
+                 | None = None, *, timeline: Timeline | None = None) -> None:
         self.comm = comm
         self._explain = explain
         self.cfg = cfg
         self.rank = comm.rank
         self.size = comm.size
-        self.timeline = Timeline(cfg.timeline, self.rank) if cfg.timeline and (
-            self.rank == 0 or "{rank}" in cfg.timeline) else None
+        self.timeline = timeline
         self._cv = threading.Condition()
         self._pending: dict[str, Request] = {}
         self._inflight: list[Request] = []

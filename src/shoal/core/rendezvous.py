@@ -20,8 +20,10 @@ from collections.abc import Callable, Sequence
 from . import auth
 from .errors import PeerLostError, RendezvousError
 from .netutil import connect, recv_exact, tune_socket
+from .store import Store
 
-__all__ = ["MAX_KEY_BYTES", "MAX_VALUE_BYTES", "Op", "Status", "StoreClient", "StoreServer"]
+__all__ = ["MAX_KEY_BYTES", "MAX_VALUE_BYTES", "Op", "Status", "StoreClient", "StoreClosedError",
+           "StoreServer"]
 
 log = logging.getLogger("shoal.rendezvous")
 
@@ -53,6 +55,10 @@ class Status(enum.IntEnum):
     TIMEOUT = 2
     CLOSED = 3  # the server is shutting down
     ERROR = 4  # well-formed but impossible request; value: UTF-8 reason
+
+
+class StoreClosedError(RendezvousError):
+    """The store went away (its host shut it down or died) while this client used it."""
 
 
 class _RefusedError(Exception):
@@ -240,7 +246,7 @@ class StoreServer:
             return (Status.CLOSED if self._closed else Status.TIMEOUT), value
 
 
-class StoreClient:
+class StoreClient(Store):
     """A thread-safe connection to a :class:`StoreServer`: one request in flight at a time
     (a blocking call holds it, so threads that wait concurrently want clients of their own)."""
 
@@ -255,7 +261,7 @@ class StoreClient:
     def _connect(self, secret: bytes, connect_timeout: float) -> socket.socket:
         """Connect and authenticate, retrying with back-off while the server is not up yet."""
         deadline = time.monotonic() + connect_timeout
-        delay, last = 0.05, "none"
+        delay, last, closed = 0.05, "none", 0
         while (left := deadline - time.monotonic()) > 0:
             sock: socket.socket | None = None
             try:
@@ -266,7 +272,9 @@ class StoreClient:
             except BaseException as exc:
                 if sock is not None:
                     sock.close()
-                if not isinstance(exc, OSError):  # AuthenticationError: retrying cannot help
+                if isinstance(exc, auth.HandshakeClosedError) and closed < 3:
+                    closed += 1  # a server shutting down (a restart) looks the same at first
+                elif not isinstance(exc, OSError):  # a wrong secret: retrying cannot help
                     raise
                 last = str(exc) or type(exc).__name__  # refused, reset, timed out: retry
             time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
@@ -302,9 +310,9 @@ class StoreClient:
                     problem = f"{self._where} did not answer within {wait + self.timeout:g}s"
                 else:
                     problem = f"{self._where} went away ({_HINT}): {exc}"
-                raise RendezvousError(f"{self._who}{what}: {problem}") from None
+                raise StoreClosedError(f"{self._who}{what}: {problem}") from None
         if code == Status.CLOSED:
-            raise RendezvousError(f"{self._who}{what}: {self._where} shut down ({_HINT})")
+            raise StoreClosedError(f"{self._who}{what}: {self._where} shut down ({_HINT})")
         if code == Status.ERROR or code not in Status.__members__.values():
             reason = value.decode(errors="replace") or f"unknown status {code}"
             raise RendezvousError(f"{self._who}{what}: {self._where} answered: {reason}")

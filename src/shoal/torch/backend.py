@@ -15,15 +15,19 @@ disagree on a call's kind, shape or dtype get :class:`shoal.CollectiveMismatchEr
 allreduce, reduce, broadcast, reduce-scatter and barrier are asynchronous (they overlap
 computation); allgather, all-to-all, gather and scatter finish before returning. Futures are
 completed on a small pool, never on shoal's engine thread, so callbacks (DDP comm hooks) may
-issue and wait on collectives. Not supported: send/recv, groups that are not the whole job.
+issue and wait on collectives. Every group (the default one, ``new_group`` subsets) is its own
+shoal communicator, met through the c10d store torch hands over, so any ``init_method`` and
+any launcher (or none) works. Not supported yet: send/recv.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -35,8 +39,11 @@ import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
 import shoal
-from shoal.core.errors import ShoalError, ShoalTimeoutError
+from shoal.core import config
+from shoal.core.communicator import Communicator, local_address
+from shoal.core.errors import ShoalTimeoutError
 
+from .store import C10dStore
 from .tensors import Staged, stage
 
 __all__ = ["BACKEND", "ShoalProcessGroup", "ShoalWork", "register"]
@@ -80,7 +87,7 @@ def _fill(outs: Sequence[torch.Tensor], raw: np.ndarray) -> None:
     """Copy consecutive byte ranges of ``raw`` into ``outs`` (any device, any layout)."""
     sizes = [o.numel() * o.element_size() for o in outs]
     if sum(sizes) != raw.nbytes:
-        raise ValueError(f"rank {shoal.rank()}: received {raw.nbytes} bytes for outputs of "
+        raise ValueError(f"received {raw.nbytes} bytes for outputs of "
                          f"{sum(sizes)}; output sizes must match what the other ranks send")
     for out, end, n in zip(outs, np.cumsum(sizes), sizes, strict=True):
         if n:
@@ -143,7 +150,7 @@ class ShoalWork(dist.Work):
             try:
                 handle.wait(left)
             except TimeoutError as exc:
-                raise ShoalTimeoutError(f"rank {shoal.rank()}: torch collective not done "
+                raise ShoalTimeoutError(f"torch collective of backend 'shoal' not done "
                                         f"after {timeout}s") from exc
 
     def wait(self, timeout: Any = None) -> bool:
@@ -155,7 +162,7 @@ class ShoalWork(dist.Work):
             self.handles_done(secs)
         left = None if secs is None else max(0.0, secs - (time.monotonic() - start))
         if not self._done.wait(left):
-            raise ShoalTimeoutError(f"rank {shoal.rank()}: torch collective not done after "
+            raise ShoalTimeoutError(f"torch collective of backend 'shoal' not done after "
                                     f"{secs}s")
         if self._error is not None:
             raise self._error
@@ -171,16 +178,26 @@ class ShoalWork(dist.Work):
 
 
 class ShoalProcessGroup(dist.ProcessGroup):
-    """A c10d process group spanning the whole shoal job."""
+    """A c10d process group: its own shoal communicator, built from the store torch gave."""
 
-    def __init__(self, rank: int, size: int, group: str = "0",
+    def __init__(self, comm: Communicator, group: str = "0",
                  timeout: float | None = None) -> None:
-        super().__init__(rank, size)
+        super().__init__(comm.rank, comm.size)
+        self._comm = comm
         self._group = group
         self._timeout = timeout
         self._seq = 0
         self._slots: dict[int, ShoalWork] = {}
         self._lock = threading.Lock()
+
+    @property
+    def communicator(self) -> Communicator:
+        """The shoal communicator behind this group."""
+        return self._comm
+
+    def shutdown(self) -> None:
+        """Close the group's communicator (``destroy_process_group`` calls this)."""
+        self._comm.close()
 
     def getBackendName(self) -> str:  # noqa: N802 (c10d's name)
         """``"shoal"``."""
@@ -229,7 +246,7 @@ class ShoalProcessGroup(dist.ProcessGroup):
             staged.append(st)
             # each torch.distributed call is its own collective (DDP's are buckets already):
             # started at once, not held back a cycle for fusion
-            handles.append(shoal.allreduce_async(st.array, sop, name=name, out=st.array,
+            handles.append(self._comm.allreduce_async(st.array, sop, name=name, out=st.array,
                                                  bf16=st.bf16, fused=True))
         return slot, staged, handles
 
@@ -303,7 +320,7 @@ class ShoalProcessGroup(dist.ProcessGroup):
         for tensor, name in zip(tensors, names, strict=True):
             st, raw = _raw(tensor)
             staged.append(st)
-            handles.append(shoal.broadcast_async(raw, opts.rootRank, name=name))
+            handles.append(self._comm.broadcast_async(raw, opts.rootRank, name=name))
 
         def finish() -> list[torch.Tensor]:
             for st in staged:
@@ -314,7 +331,7 @@ class ShoalProcessGroup(dist.ProcessGroup):
     def barrier(self, opts: c10d.BarrierOptions = c10d.BarrierOptions()) -> ShoalWork:  # noqa: B008
         """Complete once every rank has reached the barrier."""
         slot, (name,) = self._names(1)
-        handle = shoal.allreduce_async(np.zeros(1, np.int32), shoal.Sum, name=name)
+        handle = self._comm.allreduce_async(np.zeros(1, np.int32), shoal.Sum, name=name)
         return self._work(slot, [handle], list)
 
     def allgather(self, output_tensors: list[list[torch.Tensor]],
@@ -323,7 +340,7 @@ class ShoalProcessGroup(dist.ProcessGroup):
         """Every rank's ``input_tensors[i]`` into ``output_tensors[i]`` (sizes may differ)."""
         _, names = self._names(len(input_tensors))
         for outs, tensor, name in zip(output_tensors, input_tensors, names, strict=True):
-            _fill(outs, shoal.allgather(_raw(tensor)[1], name=name))
+            _fill(outs, self._comm.allgather(_raw(tensor)[1], name=name))
         return self._done(list(output_tensors), [t for o in output_tensors for t in o])
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
@@ -336,7 +353,7 @@ class ShoalProcessGroup(dist.ProcessGroup):
         """:meth:`all_gather_single` for several pairs of tensors."""
         _, names = self._names(len(inputs))
         for out, inp, name in zip(outputs, inputs, names, strict=True):
-            _fill([out], shoal.allgather(_raw(inp)[1], name=name))
+            _fill([out], self._comm.allgather(_raw(inp)[1], name=name))
         return self._done(list(outputs), outputs)
 
     _allgather_base = all_gather_single
@@ -345,7 +362,7 @@ class ShoalProcessGroup(dist.ProcessGroup):
     def _exchange(self, data: np.ndarray, splits: list[int]) -> np.ndarray:
         """Send ``splits[r]`` consecutive bytes of ``data`` to rank ``r``; bytes received."""
         _, (name,) = self._names(1)
-        return shoal.alltoall(data, splits, name=name)[0]
+        return self._comm.alltoall(data, splits, name=name)[0]
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
                           output_split_sizes: list[int], input_split_sizes: list[int],
@@ -412,29 +429,39 @@ class ShoalProcessGroup(dist.ProcessGroup):
     recv_anysource = recv
 
 
+def _advertised_host(store: Any) -> str:
+    """The address peers can reach this process at: towards MASTER_ADDR, or towards the host
+    of the TCPStore under ``store``; loopback for stores of one machine (FileStore,
+    HashStore)."""
+    host = os.environ.get("SHOAL_RENDEZVOUS_ADDR") or os.environ.get("MASTER_ADDR")
+    while host is None and store is not None:
+        host = getattr(store, "host", None)
+        store = getattr(store, "underlying_store", None)
+    return local_address(host, 0) if host else "127.0.0.1"
+
+
 def _create(opts: Any, backend_options: Any = None) -> ShoalProcessGroup:
-    """c10d's creator (extended API): join shoal if needed and check it agrees with c10d."""
+    """c10d's creator (extended API): a communicator for this group, met through the store
+    torch hands over (whatever ``init_method`` or launcher made it)."""
     rank, size = int(opts.group_rank), int(opts.group_size)
-    members = [int(r) for r in opts.global_ranks_in_group]
-    if not shoal.is_initialized():
-        try:
-            shoal.init()
-        except ShoalError as exc:
-            raise ShoalError(f"torch.distributed backend 'shoal' could not start shoal "
-                             f"({exc}); launch with shoalrun or torchrun, or call "
-                             f"shoal.init(...) before init_process_group") from exc
-    me, n = shoal.rank(), shoal.size()
-    if members and members != list(range(n)):
-        raise NotImplementedError(f"shoal backend: process groups must span the whole job "
-                                  f"(ranks 0..{n - 1}), not ranks {members}; create subgroups "
-                                  f"with another backend, e.g. new_group(ranks, "
-                                  f"backend='gloo')")
-    if (rank, size) != (me, n):
-        raise ShoalError(f"torch.distributed says this process is rank {rank} of {size}, but "
-                         f"shoal was initialised as rank {me} of {n}; pass the same rank and "
-                         f"world size to both (or let the launcher set them)")
+    timeout = _seconds(opts.timeout)
+    cfg = config.load()
+    if timeout:
+        cfg = cfg.replace(start_timeout_s=min(cfg.start_timeout_s, timeout))
     group = str(opts.group_id or "0")
-    return ShoalProcessGroup(rank, size, group, _seconds(opts.timeout))
+    host = cfg.hostname
+    if shoal.is_initialized():  # the job's own host identities (simulated nodes in tests)
+        default = shoal.communicator()
+        members = [int(r) for r in opts.global_ranks_in_group] or list(range(size))
+        if default.size > max(members):
+            host = default.world.hosts[members[rank]]
+    comm = Communicator.create(C10dStore(opts.store, timeout or cfg.start_timeout_s), rank,
+                               size, cfg=cfg, secret=cfg.secret, hostname=host,
+                               job_id=cfg.job_id or f"torch{os.getpid()}",
+                               bind_addr=cfg.bind_addr or _advertised_host(opts.store))
+    pg = ShoalProcessGroup(comm, group, timeout)
+    weakref.finalize(pg, comm.close)
+    return pg
 
 
 def register() -> None:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import ConfigError
 
 if TYPE_CHECKING:
-    from ..comm import Communicator
+    from ..comm import Transport as Communicator
 
 __all__ = ["ALGORITHMS", "applicable", "register", "select"]
 

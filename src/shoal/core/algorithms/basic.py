@@ -20,7 +20,7 @@ from .doubling import doubling_allreduce
 from .ring import ring_allreduce
 
 if TYPE_CHECKING:
-    from ..comm import Communicator
+    from ..comm import Transport as Communicator
 
 
 def _finisher(op: ReduceOp, wire: str, count: int):

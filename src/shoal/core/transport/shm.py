@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from ..errors import PeerLostError, ShoalError
+from ..liveness import Liveness
 
 __all__ = ["ShmGroup", "segment_dir", "segment_path"]
 
@@ -100,12 +101,15 @@ class ShmGroup:
 
     ``ranks`` are the global ranks of the group in local-rank order; ``me`` is this process's
     local rank. ``barrier`` is a callable that synchronises the group out of band (the
-    rendezvous store) during set-up only.
+    rendezvous store) during set-up only. With ``liveness`` a wait on a live peer has no limit
+    (heartbeats tell a busy peer from a frozen one); without it ``timeout`` bounds each wait.
     """
 
     def __init__(self, job_id: str, node: int, me: int, ranks: Sequence[int],
-                 chunk_bytes: int, timeout: float, barrier: Callable[[str], None]) -> None:
+                 chunk_bytes: int, timeout: float, barrier: Callable[[str], None],
+                 liveness: Liveness | None = None) -> None:
         self.me = me
+        self.liveness = liveness
         self.ranks = tuple(ranks)
         self.n = len(self.ranks)
         self.chunk_bytes = max(4096, chunk_bytes - chunk_bytes % 64)
@@ -185,7 +189,9 @@ class ShmGroup:
                 raise PeerLostError(
                     f"rank {self.ranks[p]} (pid {self._pids[p]}, same host) died during {what}",
                     rank=self.ranks[p])
-        if waited > self.timeout:
+        if self.liveness is not None:
+            self.liveness.check([self.ranks[p] for p in pending], what, waited)
+        elif waited > self.timeout:
             ranks = [self.ranks[p] for p in pending]
             raise PeerLostError(
                 f"ranks {ranks} did not reach {what} within SHOAL_TIMEOUT_S={self.timeout:g}s "

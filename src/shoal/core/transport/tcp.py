@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 
 from ..auth import client_handshake, server_handshake
 from ..errors import AuthenticationError, PeerLostError, RendezvousError, ShoalError
+from ..liveness import Liveness
 from ..netutil import recv_exact, tune_socket
 
 __all__ = ["TcpMesh"]
@@ -38,8 +39,9 @@ class TcpMesh:
     """Authenticated TCP connections from this rank to every other rank."""
 
     def __init__(self, rank: int, size: int, secret: bytes, *, timeout: float,
-                 buffer_bytes: int, bind_addr: str) -> None:
+                 buffer_bytes: int, bind_addr: str, liveness: Liveness | None = None) -> None:
         self.rank = rank
+        self.liveness = liveness  # None: ``timeout`` bounds every wait
         self.size = size
         self.timeout = timeout
         self._secret = secret
@@ -155,7 +157,11 @@ class TcpMesh:
                     if self.closing:
                         raise ShoalError(f"rank {self.rank}: gave up during {what}: this rank "
                                          f"is shutting down")
-                    if time.monotonic() - last > self.timeout:
+                    waited = time.monotonic() - last
+                    if self.liveness is not None:
+                        self.liveness.check(sorted({e[0] for e in out} | {e[0] for e in inc}),
+                                            what, waited)
+                    elif waited > self.timeout:
                         self._silent(out, inc, what)
                     continue
                 last = time.monotonic()

@@ -1,0 +1,211 @@
+"""The collectives of a communicator, on numpy arrays (mixed into
+:class:`~shoal.core.communicator.Communicator`; the module-level API calls them on the default
+one).
+
+Requests are fused and ordered by the communicator's engine: ranks may submit them in any order,
+but every rank must submit the same names with the same shapes, dtypes and ops. Argument errors
+are raised before anything is submitted, so they leave the communicator usable.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import numpy as np
+
+from .compression import Codec, Compression
+from .engine import Engine, Kind, Request
+from .ops import ReduceOp, check_array
+
+__all__ = ["Collectives", "Handle"]
+
+
+class Handle:
+    """The pending result of an asynchronous collective."""
+
+    def __init__(self, engine: Engine, future: Future) -> None:
+        self._engine = engine
+        self._future = future
+
+    def done(self) -> bool:
+        """True once the result (or error) is ready."""
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Block until done; return the result or raise the collective's error."""
+        return self._engine.wait(self._future, timeout)
+
+    def exception(self) -> BaseException | None:
+        """The collective's error once it is done (None if it succeeded)."""
+        return self._future.exception() if self._future.done() else None
+
+    def add_done_callback(self, fn: Callable[[Handle], None]) -> None:
+        """Call ``fn(handle)`` when the collective completes. It may run on the engine's
+        thread: keep it short, and never wait on another collective inside it."""
+        self._future.add_done_callback(lambda _f: fn(self))
+
+
+def _storage(array: np.ndarray, dtype: str) -> np.ndarray:
+    flat = array.reshape(-1)
+    return flat.view(np.uint16) if dtype == "bfloat16" else flat
+
+
+def _shape(array: np.ndarray) -> str:
+    return "(" + ", ".join(map(str, array.shape)) + ")"
+
+
+class Collectives:
+    """Collective operations over ``self.engine`` (provided by the communicator)."""
+
+    engine: Engine
+    _counter: int
+
+    def _auto_name(self, kind: str, name: str | None) -> str:
+        if name:
+            return name
+        self._counter += 1
+        return f"{kind}.noname.{self._counter}"
+
+    def _chain(self, req: Request, result: Any, wake: bool) -> Handle:
+        """Submit ``req``; the handle resolves to ``result`` (the caller's own array, not the
+        flat storage view the engine works on)."""
+        req.result = result
+        return Handle(self.engine, self.engine.submit(req, wake=wake))
+
+    def allreduce_async(self, array: np.ndarray, op: ReduceOp = ReduceOp.AVERAGE,
+                        name: str | None = None, out: np.ndarray | None = None,
+                        compression: Codec = Compression.none, *, bf16: bool = False,
+                        fused: bool = False, _wake: bool = True) -> Handle:
+        """Start combining ``array`` across ranks; returns a :class:`Handle` at once.
+
+        ``bf16=True`` marks a 16-bit integer array as holding bfloat16 words (how adapters hand
+        over bfloat16 tensors when ``ml_dtypes`` is not installed). ``fused=True`` says the
+        caller has fused its tensors already (a gradient bucket): the engine starts it at once
+        instead of waiting ``cycle_time_ms`` for more requests to fuse it with.
+        """
+        engine = self.engine
+        op = ReduceOp(op)
+        name = self._auto_name("allreduce", name)
+        dtype = check_array(array, f"allreduce tensor {name!r}", engine.rank, op, bf16)
+        if out is None:
+            out = np.empty_like(array)
+        elif out.shape != array.shape or out.dtype != array.dtype or not out.flags.c_contiguous:
+            raise ValueError(f"rank {engine.rank}: output for {name!r} must be a C-contiguous "
+                             f"{array.dtype} array of shape {array.shape}")
+        desc = (f"allreduce shape={_shape(array)} dtype={dtype} op={op.name.capitalize()} "
+                f"compression={compression.name}")
+        req = Request(Kind.ALLREDUCE, name, _storage(array, dtype), _storage(out, dtype), dtype,
+                      desc, op=op, codec=compression, fused=fused)
+        return self._chain(req, out, _wake)
+
+    def allreduce(self, array: np.ndarray, op: ReduceOp = ReduceOp.AVERAGE,
+                  name: str | None = None, out: np.ndarray | None = None,
+                  compression: Codec = Compression.none, *, bf16: bool = False) -> np.ndarray:
+        """Combine ``array`` across all ranks (average by default); returns a new array unless
+        ``out`` is given (``out=array`` reduces in place)."""
+        return self.allreduce_async(array, op, name, out, compression, bf16=bf16,
+                                    _wake=False).wait()
+
+    def _rows_request(self, kind: Kind, array: np.ndarray, name: str | None,
+                      extra_of: Callable[[str], Any]) -> Request:
+        engine = self.engine
+        name = self._auto_name(kind.value, name)
+        dtype = check_array(array, f"{kind.value} tensor {name!r}", engine.rank)
+        if array.ndim == 0:
+            raise ValueError(f"rank {engine.rank}: {kind.value} tensor {name!r} is a scalar; "
+                             f"reshape it to (1,)")
+        trailing = tuple(array.shape[1:])
+        desc = f"{kind.value} shape=(*, {', '.join(map(str, trailing))}) dtype={dtype}"
+        return Request(kind, name, _storage(array, dtype), None, dtype, desc,
+                       extra=extra_of(name), trailing=trailing)
+
+    def allgather(self, array: np.ndarray, name: str | None = None) -> np.ndarray:
+        """Concatenate every rank's array along dimension 0 (lengths may differ per rank)."""
+        req = self._rows_request(Kind.ALLGATHER, array, name, lambda n: int(array.shape[0]))
+        flat = self.engine.wait(self.engine.submit(req, wake=False))
+        return flat.view(array.dtype) if array.dtype != flat.dtype else flat
+
+    def alltoall(self, array: np.ndarray, splits: Any = None,
+                 name: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Send ``splits[i]`` rows of ``array`` to rank ``i`` and gather what every rank sent
+        here; returns ``(data, received splits)``. Without ``splits`` the rows divide evenly."""
+        engine = self.engine
+
+        def check(name: str) -> list[int]:
+            rows, n = array.shape[0], engine.size
+            if splits is None:
+                if rows % n:
+                    raise ValueError(f"rank {engine.rank}: alltoall tensor {name!r} has {rows} "
+                                     f"rows, not divisible by {n} ranks; pass splits=")
+                return [rows // n] * n
+            got = [int(s) for s in splits]
+            if len(got) != n or min(got) < 0 or sum(got) != rows:
+                raise ValueError(f"rank {engine.rank}: alltoall splits {got} for {name!r} must "
+                                 f"be {n} non-negative counts summing to {rows}")
+            return got
+        req = self._rows_request(Kind.ALLTOALL, array, name, check)
+        data, recv = engine.wait(engine.submit(req, wake=False))
+        return (data.view(array.dtype) if array.dtype != data.dtype else data), recv
+
+    def broadcast_async(self, array: np.ndarray, root_rank: int, name: str | None = None, *,
+                        _wake: bool = True) -> Handle:
+        """Start overwriting ``array`` with ``root_rank``'s values; returns a :class:`Handle`."""
+        engine = self.engine
+        name = self._auto_name("broadcast", name)
+        dtype = check_array(array, f"broadcast tensor {name!r}", engine.rank)
+        if not 0 <= root_rank < engine.size:
+            raise ValueError(f"rank {engine.rank}: root_rank {root_rank} is not a rank of this "
+                             f"communicator (size {engine.size})")
+        flat = _storage(array, dtype)
+        desc = f"broadcast shape={_shape(array)} dtype={dtype} root={root_rank}"
+        req = Request(Kind.BROADCAST, name, flat, flat, dtype, desc, root=root_rank)
+        return self._chain(req, array, _wake)
+
+    def broadcast(self, array: np.ndarray, root_rank: int,
+                  name: str | None = None) -> np.ndarray:
+        """Overwrite ``array`` with ``root_rank``'s values on every rank, in place; returns
+        it."""
+        return self.broadcast_async(array, root_rank, name, _wake=False).wait()
+
+    def reducescatter(self, array: np.ndarray, op: ReduceOp = ReduceOp.AVERAGE,
+                      name: str | None = None) -> np.ndarray:
+        """Reduce, then keep this rank's block of the first dimension (earlier ranks get the
+        extra rows when it does not divide evenly, as in Horovod)."""
+        engine = self.engine
+        if getattr(array, "ndim", 1) == 0:
+            raise ValueError(f"rank {engine.rank}: reducescatter needs at least one dimension")
+        total = self.allreduce(array, op, name=self._auto_name("reducescatter", name))
+        base, extra = divmod(array.shape[0], engine.size)
+        start = engine.rank * base + min(engine.rank, extra)
+        return total[start:start + base + (engine.rank < extra)].copy()
+
+    def barrier(self) -> None:
+        """Wait until every rank reaches the barrier."""
+        self.allreduce(np.zeros(1, np.int32), ReduceOp.SUM, name="shoal.barrier")
+
+    def broadcast_object(self, obj: Any, root_rank: int = 0, name: str | None = None) -> Any:
+        """Send a picklable object from ``root_rank`` to every rank (peers are
+        authenticated)."""
+        name = self._auto_name("broadcast_object", name)
+        me = self.engine.rank
+        payload = np.frombuffer(pickle.dumps(obj), np.uint8) if me == root_rank \
+            else np.empty(0, np.uint8)
+        length = self.broadcast(np.array([payload.size], np.int64), root_rank,
+                                name=f"{name}.len")
+        if me != root_rank:
+            payload = np.empty(int(length[0]), np.uint8)
+        self.broadcast(payload, root_rank, name=f"{name}.data")
+        return obj if me == root_rank else pickle.loads(payload.tobytes())
+
+    def allgather_object(self, obj: Any, name: str | None = None) -> list[Any]:
+        """Every rank's picklable object, in rank order."""
+        name = self._auto_name("allgather_object", name)
+        payload = np.frombuffer(pickle.dumps(obj), np.uint8)
+        lengths = self.allgather(np.array([payload.size], np.int64), name=f"{name}.len")
+        data = self.allgather(payload, name=f"{name}.data")
+        offsets = np.cumsum([0, *lengths.tolist()])
+        return [pickle.loads(data[offsets[r]:offsets[r + 1]].tobytes())
+                for r in range(self.engine.size)]

@@ -1,0 +1,300 @@
+"""Communicators: values made from (store, rank, size), any number per process.
+
+A :class:`Communicator` meets its peers through a :class:`~shoal.core.store.Store`, learns there
+which ranks share a host, their addresses and the job secret, and owns what it builds: the TCP
+connections, the shared-memory group, the heartbeat, the engine thread with its name cache, and
+the timeline. :meth:`Communicator.close` releases all of it. Sub-communicators over a subset of
+ranks are made through a parent (:meth:`Communicator.split`) without a new launcher; torch
+process groups and Horovod process sets are built that way. ``shoal.init()`` makes the default
+communicator the module-level functions use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from . import config, topology
+from .auth import secret_bytes
+from .collectives import Collectives
+from .comm import Transport
+from .config import Config
+from .engine import Engine
+from .errors import PeerLostError, ShoalError
+from .liveness import Liveness
+from .store import PrefixStore, Store
+from .timeline import Timeline
+from .transport.shm import ShmGroup
+from .transport.tcp import TcpMesh
+
+__all__ = ["Communicator", "explain_loss", "local_address"]
+
+log = logging.getLogger("shoal")
+
+
+def local_address(remote: str, port: int) -> str:
+    """The address of the interface that routes to ``remote`` (no packet is sent)."""
+    if remote in ("127.0.0.1", "localhost", "::1"):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((remote, port or 9))
+            return probe.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+
+
+def explain_loss(store: Store, prefix: str, rank: int, size: int,
+                 exc: PeerLostError, abort: Callable[[], None],
+                 grace: float = 1.0, settle: float = 0.2) -> PeerLostError:
+    """Turn "my neighbour left" into "rank r died".
+
+    A rank that gives up because *its* peer died closes its connections too, so the error a
+    rank sees first often names a messenger. So every failing rank reports at the store whom
+    it blames *before* it lets its own peers go (``abort``); the lost ranks are those blamed
+    by someone that never report themselves. Without a reachable store, ``exc`` is kept.
+    """
+    found: list[list[int]] = []
+    reported = threading.Event()
+
+    def ask() -> None:  # in a thread: a stopped store host must not stop us too
+        try:
+            store.set(f"{prefix}/{rank}", str(exc.rank).encode())
+            reported.set()
+            start = time.monotonic()
+            while True:
+                blamed, silent = set(), []
+                for r in range(size):
+                    said = store.try_get(f"{prefix}/{r}")
+                    if said is None:
+                        silent.append(r)
+                    elif said != b"None":
+                        blamed.add(int(said))
+                lost = [r for r in silent if r in blamed]
+                waited = time.monotonic() - start
+                if (lost and waited > settle) or waited > grace:
+                    found.append(lost)
+                    return
+                time.sleep(0.05)
+        except Exception:
+            return
+
+    asker = threading.Thread(target=ask, name="shoal-explain-loss", daemon=True)
+    asker.start()
+    reported.wait(0.5)
+    abort()
+    asker.join(grace + 2.0)
+    if not found or not found[0] or found[0] == [exc.rank]:
+        return exc
+    lost = found[0]
+    return PeerLostError(f"rank {rank}: lost rank{'s' if len(lost) > 1 else ''} "
+                         f"{', '.join(map(str, lost))} (it stopped answering; seen here as: "
+                         f"{exc})", rank=lost[0])
+
+
+class Communicator(Collectives):
+    """A group of ranks that run collectives together; build with :meth:`create`."""
+
+    def __init__(self, cfg: Config, world: topology.World, transport: Transport,
+                 store: Store | None, *, secret: str = "", job_id: str = "local",
+                 liveness: Liveness | None = None,
+                 closers: Sequence[Callable[[], None]] = ()) -> None:
+        self.cfg = cfg
+        self.world = world
+        self.transport = transport
+        self.store = store
+        self.secret = secret
+        self.job_id = job_id
+        self.liveness = liveness
+        self._closers = list(closers)
+        self._children: dict[tuple[int, ...], int] = {}
+        self._counter = 0
+        self._closed = False
+        timeline = Timeline(cfg.timeline, world.rank) if cfg.timeline and (
+            world.rank == 0 or "{rank}" in cfg.timeline) else None
+        explain = None
+        if store is not None and world.size > 1:
+            explain = lambda exc, abort: explain_loss(  # noqa: E731
+                store, "lost", world.rank, world.size, exc, abort)
+        self.engine = Engine(transport, cfg, explain, timeline=timeline)
+
+    # -- construction ----------------------------------------------------------------------
+    @classmethod
+    def create(cls, store: Store | None, rank: int, size: int, *, cfg: Config | None = None,
+               hostname: str | None = None, secret: str | None = None,
+               job_id: str | None = None, bind_addr: str | None = None,
+               closers: Sequence[Callable[[], None]] = ()) -> Communicator:
+        """Meet ``size`` ranks through ``store`` (its keys are this communicator's alone:
+        give each communicator a fresh store or :class:`PrefixStore`) as ``rank``.
+
+        ``secret`` authenticates every connection; without one, rank 0 makes one and shares
+        it through the store (so the store must be trusted). ``hostname`` decides which ranks
+        share memory (default: this machine's name, or ``SHOAL_HOSTNAME``). ``closers`` run
+        when the communicator closes (after its own resources), e.g. to close the store.
+        """
+        cfg = config.load() if cfg is None else cfg
+        if not 0 <= rank < size:
+            raise ValueError(f"rank {rank} is not in 0..{size - 1}")
+        host = hostname or cfg.hostname or socket.gethostname()
+        if size == 1:
+            return cls(cfg, topology.World.single(host), Transport(cfg, topology.World.single(
+                host), None, None), store, secret=secret or "", job_id=job_id or "local",
+                closers=closers)
+        wait = cfg.start_timeout_s
+        if rank == 0:
+            store.set("init", json.dumps({"uid": secrets.token_hex(4),
+                                          "secret": None if secret else secrets.token_hex(32),
+                                          "job": job_id or "job"}).encode())
+        shared = json.loads(store.get("init", wait))
+        secret = secret or shared["secret"]
+        uid, job_id = shared["uid"], shared["job"]  # rank 0's job id names the segments
+        key = secret_bytes(secret)
+        bind = bind_addr or cfg.bind_addr or "127.0.0.1"
+        resources: list[Callable[[], None]] = []
+        try:
+            liveness = Liveness(rank, key, uid.encode(), bind,
+                                interval=cfg.heartbeat_interval_s,
+                                timeout=cfg.heartbeat_timeout_s,
+                                stall_warning=cfg.stall_warning_s, hard_timeout=cfg.timeout_s)
+            resources.append(liveness.close)
+            mesh = TcpMesh(rank, size, key, timeout=cfg.timeout_s or 60.0,
+                           buffer_bytes=cfg.tcp_buffer_bytes, bind_addr=bind, liveness=liveness)
+            resources.append(mesh.close)
+            hello = json.dumps({"host": host, "addr": mesh.address[0], "port": mesh.address[1],
+                                "hb": liveness.address[1], "pid": os.getpid()}).encode()
+            peers = [json.loads(b) for b in store.allgather("hello", rank, size, hello, wait)]
+            world = topology.World.from_hostnames(rank, [p["host"] for p in peers])
+            mesh.connect([(p["addr"], p["port"]) for p in peers], wait)
+            liveness.start({r: (p["addr"], p["hb"]) for r, p in enumerate(peers)})
+            shm = None
+            if cfg.shm_enable and world.local_size > 1:
+                def barrier(tag: str) -> None:
+                    store.barrier(f"node{world.cross_rank}/{tag}", world.local_size, wait)
+                shm = ShmGroup(f"{job_id}-{uid}", world.cross_rank, world.local_rank,
+                               world.local_ranks, cfg.shm_chunk_bytes, cfg.timeout_s or 60.0,
+                               barrier, liveness)
+                resources.append(shm.close)
+            transport = Transport(cfg, world, mesh, shm)
+            comm = cls(cfg, world, transport, store, secret=secret, job_id=job_id,
+                       liveness=liveness, closers=closers)
+        except BaseException:
+            for release in reversed(resources):
+                with contextlib.suppress(Exception):
+                    release()
+            raise
+        try:
+            store.barrier("ready", size, wait)
+        except BaseException:
+            comm.close()
+            raise
+        return comm
+
+    def split(self, ranks: Sequence[int], *, cfg: Config | None = None) -> Communicator | None:
+        """A communicator over ``ranks`` (ranks of this one, in the order given: position i
+        becomes rank i). Only the ranks in ``ranks`` need to call it, all with the same list;
+        others get ``None``. Made through this communicator's store; the child lives until
+        closed, independently of its parent's other children."""
+        members = tuple(int(r) for r in ranks)
+        if len(set(members)) != len(members) or not all(0 <= r < self.size for r in members):
+            raise ValueError(f"rank {self.rank}: sub-communicator ranks {list(members)} must be "
+                             f"distinct ranks of this communicator (size {self.size})")
+        if self.rank not in members:
+            return None
+        count = self._children.get(members, 0)
+        self._children[members] = count + 1
+        if self.store is None:  # a one-rank parent: the child is a one-rank group too
+            return Communicator.create(_LocalStore(), 0, 1, cfg=cfg or self.cfg)
+        prefix = f"sub/{'.'.join(map(str, members))}/{count}"
+        return Communicator.create(PrefixStore(self.store, prefix), members.index(self.rank),
+                                   len(members), cfg=cfg or self.cfg,
+                                   hostname=self.world.hosts[self.rank], secret=self.secret,
+                                   job_id=self.job_id,
+                                   bind_addr=self.transport.mesh.address[0]
+                                   if self.transport.mesh else None)
+
+    # -- identity --------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        """This process's rank in the communicator."""
+        return self.world.rank
+
+    @property
+    def size(self) -> int:
+        """Number of ranks in the communicator."""
+        return self.world.size
+
+    @property
+    def algorithm(self) -> str:
+        """The allreduce algorithm chosen for this topology."""
+        return self.transport.algorithm
+
+    @property
+    def timeline(self) -> Timeline | None:
+        """The timeline being written, if any."""
+        return self.engine.timeline
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` has run."""
+        return self._closed
+
+    def __repr__(self) -> str:
+        return f"Communicator(rank={self.rank}, size={self.size}, algorithm={self.algorithm})"
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def close(self) -> None:
+        """Release the engine thread, heartbeat, connections and shared memory (idempotent).
+        Pending collectives fail; peers waiting on this rank learn at once."""
+        if self._closed:
+            return
+        self._closed = True
+        self.engine.close()
+        if self.liveness is not None:
+            self.liveness.close()
+        self.transport.close()
+        for release in self._closers:
+            with contextlib.suppress(Exception):
+                release()
+
+    def __enter__(self) -> Communicator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _LocalStore(Store):
+    """An in-process store, for one-rank communicators."""
+
+    def __init__(self) -> None:
+        self._data: dict[str, bytes] = {}
+
+    def set(self, key: str, value: bytes) -> None:
+        self._data[key] = bytes(value)
+
+    def get(self, key: str, timeout: float | None = None) -> bytes:
+        if key not in self._data:
+            raise ShoalError(f"key {key!r} is not in this one-process store")
+        return self._data[key]
+
+    def try_get(self, key: str) -> bytes | None:
+        return self._data.get(key)
+
+    def add(self, key: str, delta: int) -> int:
+        value = int(self._data.get(key, b"0")) + delta
+        self._data[key] = str(value).encode()
+        return value
+
+    def delete(self, key: str) -> bool:
+        return self._data.pop(key, None) is not None
+
+    def __repr__(self) -> str:
+        return f"_LocalStore({len(self._data)} keys)"
+
