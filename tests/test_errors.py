@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
+import time
 
 import numpy as np
 import pytest
@@ -63,6 +63,8 @@ def _lonely(rank: int) -> list[str]:
     if rank == 0:
         with pytest.raises(TimeoutError):
             lonely.wait(timeout=2.5)
+    else:
+        time.sleep(3.0)  # computing, nothing submitted: waited for, not a mismatch
     shoal.barrier()  # rank 1 stays until rank 0 has seen the warning
     return seen
 
@@ -79,7 +81,7 @@ def _diverge(rank: int) -> str:
 
 
 def test_stall_shutdown_fails_instead_of_hanging() -> None:
-    outcomes = run_ranks(_diverge, 3, expect_errors=True, timeout=60, stall_warning_s=0.5,
+    outcomes = run_ranks(_diverge, 3, expect_errors=True, timeout=60, stall_warning_s=5.0,
                          stall_shutdown_s=2.0)
     for rank, outcome in enumerate(outcomes):
         assert outcome is not None, f"rank {rank} hung"
@@ -87,19 +89,6 @@ def test_stall_shutdown_fails_instead_of_hanging() -> None:
         assert status == "err" and etype in ("ShoalTimeoutError", "PeerLostError"), outcome
     texts = " ".join(o[1][1] for o in outcomes)
     assert "stalled" in texts and "only-on-" in texts
-
-
-def _after_error(rank: int) -> str:
-    import shoal
-    with contextlib.suppress(shoal.CollectiveMismatchError):
-        shoal.allreduce(np.ones(3 + rank, np.float32), name="bad")
-    with pytest.raises(shoal.ShoalError, match="after an earlier failure"):
-        shoal.allreduce(np.ones(3, np.float32), name="next")
-    return "ok"
-
-
-def test_broken_communicator_refuses_further_collectives() -> None:
-    assert run_ranks(_after_error, 2) == ["ok", "ok"]
 
 
 def _bad_input(rank: int) -> str:

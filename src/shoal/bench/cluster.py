@@ -54,7 +54,7 @@ def worker_main(argv: Sequence[str]) -> None:
     shoal.init(rank=args.rank, size=args.size, rendezvous_addr=args.addr,
                rendezvous_port=args.port, hostname=args.host, secret=args.secret,
                job_id=args.job)
-    comm = shoal.communicator()
+    comm = shoal.communicator().transport
     methods_names = ["hierarchical", "ring"]
     gloo = None
     try:

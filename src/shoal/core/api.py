@@ -22,7 +22,7 @@ from . import config, topology
 from .auth import secret_bytes
 from .collectives import Handle
 from .communicator import Communicator, local_address
-from .errors import NotInitializedError
+from .errors import AuthenticationError, NotInitializedError
 from .rendezvous import StoreClient, StoreClosedError, StoreServer
 from .store import PrefixStore
 
@@ -93,16 +93,21 @@ def init(*, rank: int | None = None, size: int | None = None, local_rank: int | 
             serve_store = info.launcher != "shoalrun"
         serving = info.rank == 0 and serve_store
         deadline = time.monotonic() + cfg.start_timeout_s
+        closed_handshakes = 0
         while True:
             try:
                 comm = _join(info, cfg, serving, f"shoal/g{_state['generation']}")
                 break
-            except StoreClosedError:
+            except (StoreClosedError, AuthenticationError) as exc:
                 # the store of an earlier generation was still up and went away under us
-                # (rank 0 re-initialising): meet again at the new one
-                if serving or time.monotonic() > deadline:
+                # (rank 0 re-initialising): meet again at the new one. A handshake cut short
+                # is that too, or a wrong secret: two more tries tell them apart.
+                again = isinstance(exc, StoreClosedError) or (
+                    getattr(exc, "closed", False) and closed_handshakes < 2)
+                if serving or not again or time.monotonic() > deadline:
                     raise
-                time.sleep(0.05)
+                closed_handshakes += isinstance(exc, AuthenticationError)
+                time.sleep(0.1)
         try:
             topology.check_consistent(info, comm.world)
         except BaseException:

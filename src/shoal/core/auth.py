@@ -21,7 +21,7 @@ import socket
 from .errors import AuthenticationError, PeerLostError
 from .netutil import recv_exact
 
-__all__ = ["MAGIC", "HandshakeClosedError", "client_handshake", "secret_bytes", "server_handshake"]
+__all__ = ["MAGIC", "client_handshake", "secret_bytes", "server_handshake"]
 
 MAGIC = b"SHOAL\x00\x01\x00"
 _NONCE = 32
@@ -57,9 +57,13 @@ def server_handshake(sock: socket.socket, secret: bytes, role: bytes) -> None:
     sock.sendall(_mac(secret, b"S", role, nonce_s, nonce_c))
 
 
-class HandshakeClosedError(AuthenticationError):
+def _closed(message: str) -> AuthenticationError:
     """The server closed the connection during the handshake: it refused our proof, or it
-    was shutting down at that moment (a caller may retry a few times to tell which)."""
+    was shutting down at that moment (``closed`` is set: a caller may retry once or twice to
+    tell which)."""
+    exc = AuthenticationError(message)
+    exc.closed = True  # type: ignore[attr-defined]
+    return exc
 
 
 def client_handshake(sock: socket.socket, secret: bytes, role: bytes) -> None:
@@ -68,8 +72,7 @@ def client_handshake(sock: socket.socket, secret: bytes, role: bytes) -> None:
     try:
         hello = recv_exact(sock, len(MAGIC) + _NONCE, what)
     except PeerLostError as exc:
-        raise HandshakeClosedError(f"server closed the connection before the challenge: {exc}") \
-            from None
+        raise _closed(f"server closed the connection before the challenge: {exc}") from None
     if hello[: len(MAGIC)] != MAGIC:
         raise AuthenticationError("server is not a shoal endpoint (bad magic bytes)")
     nonce_s = hello[len(MAGIC):]
@@ -78,7 +81,7 @@ def client_handshake(sock: socket.socket, secret: bytes, role: bytes) -> None:
     try:
         proof = recv_exact(sock, _MAC, what)
     except PeerLostError:
-        raise HandshakeClosedError(
+        raise _closed(
             "server refused our proof: this process and the server hold different job secrets "
             "(SHOAL_SECRET must be the same on every rank; shoalrun sets it)") from None
     if not hmac.compare_digest(proof, _mac(secret, b"S", role, nonce_s, nonce_c)):

@@ -44,7 +44,7 @@ from .timeline import Timeline
 __all__ = ["Engine", "Kind", "Request", "mismatch_message"]
 
 log = logging.getLogger("shoal.engine")
-_HEAD = struct.Struct("!qq")  # bit-vector bytes, cache size
+_HEAD = struct.Struct("!qqB")  # bit-vector bytes, cache size, "stuck" flag
 
 
 class Kind(enum.Enum):
@@ -110,6 +110,7 @@ class Engine:
         self._inflight: list[Request] = []
         self._cache: dict[str, tuple[int, str]] = {}  # name -> (id, desc), same on all ranks
         self._by_id: list[str] = []
+        self._used: dict[str, int] = {}  # name -> round it last ran in (same on all ranks)
         self._run = threading.Lock()
         self._broken: BaseException | None = None
         self._stopping = False
@@ -255,7 +256,9 @@ class Engine:
                 new.append([req.name, req.desc, req.extra])
         packed = np.packbits(bits).tobytes()
         tail = json.dumps(new).encode() if new else b"[]"
-        return _HEAD.pack(len(packed), len(self._by_id)) + packed + tail
+        now = time.perf_counter()
+        stuck = bool(reqs) and now - min(r.enqueued for r in reqs) > self.cfg.stall_warning_s
+        return _HEAD.pack(len(packed), len(self._by_id), stuck) + packed + tail
 
     def _round(self) -> bool:
         """One negotiation round and the collectives it agrees on; True if any ran."""
@@ -265,19 +268,25 @@ class Engine:
         blobs = self.comm.gather_all(self._proposal(reqs), "negotiation round")
         self.rounds += 1
         t1 = time.perf_counter()
-        order, extras = self._decide(blobs, reqs)
+        order, extras, refused = self._decide(blobs, reqs)
         mine = {r.name: r for r in reqs}
         runnable = [mine[name] for name in order]
         with self._cv:
             for req in runnable:
                 del self._pending[req.name]
+            failed = [self._pending.pop(name) for name in refused if name in self._pending]
             self._inflight = runnable  # failed by _fail if the collectives below fail
+        for req in failed:  # found before any data moved: this engine carries on
+            req.future.set_exception(refused[req.name])
         self._execute(runnable, extras, t0, t1)
+        self._evict()
         self._inflight = []
         return bool(runnable)
 
-    def _decide(self, blobs: list[bytes], reqs: Sequence[Request]) -> tuple[list[str], dict]:
-        """From every rank's proposal: the names to run now, in order (same on all ranks).
+    def _decide(self, blobs: list[bytes], reqs: Sequence[Request]
+                ) -> tuple[list[str], dict, dict[str, CollectiveMismatchError]]:
+        """From every rank's proposal: the names to run now, in order, and those refused
+        (ranks disagree on them); the same on all ranks.
 
         Cached names are handled as bit vectors (vectorised AND), so the steady-state cost
         does not grow with the number of tensors in Python; only new or changed names are
@@ -286,15 +295,19 @@ class Engine:
         n_cached = len(self._by_id)
         if blobs[0].endswith(b"]") and blobs[0][-2:] == b"[]" and blobs.count(blobs[0]) == \
                 len(blobs):  # steady state: every rank proposes the same cached set
-            nbytes, _ = _HEAD.unpack_from(blobs[0])
+            nbytes, _, _ = _HEAD.unpack_from(blobs[0])
             mask = np.unpackbits(np.frombuffer(blobs[0], np.uint8, nbytes, _HEAD.size),
                                  count=n_cached)
-            return [self._by_id[i] for i in np.flatnonzero(mask)], {}
+            order = [self._by_id[i] for i in np.flatnonzero(mask)]
+            self._touch(order)
+            return order, {}, {}
         bits = np.zeros((self.size, n_cached), bool)
         present: dict[str, dict[int, str]] = {}
         extras: dict[str, dict[int, Any]] = {}
+        stuck = []
         for rank, blob in enumerate(blobs):
-            nbytes, size = _HEAD.unpack_from(blob)
+            nbytes, size, flag = _HEAD.unpack_from(blob)
+            stuck.append(flag)
             if size != n_cached:
                 raise ShoalError(f"rank {self.rank}: negotiation cache out of step with rank "
                                  f"{rank} ({size} vs {n_cached} entries); this is a bug")
@@ -307,7 +320,8 @@ class Engine:
                     present.setdefault(name, {})[rank] = desc
                     extras.setdefault(name, {})[rank] = extra
         ready = [self._by_id[i] for i in np.flatnonzero(bits.all(axis=0))] if n_cached else []
-        fresh = []
+        fresh: list[str] = []
+        refused: dict[str, CollectiveMismatchError] = {}
         for name, descs in present.items():
             cached = self._cache.get(name)
             if cached is not None:  # proposed as a bit by the ranks whose desc is unchanged
@@ -316,7 +330,9 @@ class Engine:
             if len(descs) < self.size:
                 continue
             if len(set(descs.values())) > 1:
-                raise CollectiveMismatchError(mismatch_message(repr(name), descs), descs)
+                refused[name] = CollectiveMismatchError(
+                    f"rank {self.rank}: " + mismatch_message(repr(name), descs), descs)
+                continue
             if cached is None:
                 fresh.append(name)
             else:
@@ -326,6 +342,22 @@ class Engine:
             self._cache[name] = (len(self._by_id), present[name][0])
             self._by_id.append(name)
         ready += fresh
+        if not ready and all(stuck) and not refused:
+            # every rank has waited stall_warning_s on collectives no other rank will match
+            # (different names, or different collectives): a mismatch, not a hang
+            waiting = {r: sorted([self._by_id[i] for i in np.flatnonzero(bits[r])]
+                                 + [nm for nm, d in present.items() if r in d])
+                       for r in range(self.size)}
+            error = CollectiveMismatchError(
+                f"rank {self.rank}: every rank has waited over SHOAL_STALL_WARNING_S="
+                f"{self.cfg.stall_warning_s:g}s on collectives that cannot match:\n"
+                + "\n".join(f"  rank {r} waits for {', '.join(map(repr, names[:8]))}"
+                             + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+                             for r, names in waiting.items())
+                + "\nevery rank must submit the same collectives (names and kinds)",
+                {r: ", ".join(names) for r, names in waiting.items()})
+            refused = {req.name: error for req in reqs}
+        self._touch(ready)
         runnable = set(ready)
         for req in reqs:
             if req.name not in runnable:
@@ -333,7 +365,29 @@ class Engine:
                 idx = self._cache.get(req.name, (None,))[0]
                 req.missing = tuple(r for r in range(self.size) if r not in descs and not (
                     idx is not None and idx < n_cached and bits[r, idx]))
-        return sorted(ready, key=lambda nm: self._cache[nm][0]), extras
+        return sorted(ready, key=lambda nm: self._cache[nm][0]), extras, refused
+
+    # -- the bounded name cache ------------------------------------------------------------
+    def _touch(self, names: Sequence[str]) -> None:
+        """Mark ``names`` used in this round (rounds are numbered alike on every rank)."""
+        used = self._used
+        for name in names:
+            used[name] = self.rounds
+
+    def _evict(self) -> None:
+        """Forget the least recently used names once the cache is over its size, down to
+        three quarters of it. Every rank holds the same cache and the same use rounds, and
+        evicts here after the same round, so the caches stay identical; a forgotten name is
+        simply negotiated in full again."""
+        limit = max(16, self.cfg.name_cache_size)
+        if len(self._by_id) <= limit:
+            return
+        keep = sorted(self._by_id, key=lambda nm: (self._used.get(nm, -1),
+                                                   self._cache[nm][0]))[-(limit * 3 // 4):]
+        kept = set(keep)
+        self._by_id = [nm for nm in self._by_id if nm in kept]
+        self._cache = {nm: (i, self._cache[nm][1]) for i, nm in enumerate(self._by_id)}
+        self._used = {nm: r for nm, r in self._used.items() if nm in kept}
 
     # -- execution -------------------------------------------------------------------------
     def _execute(self, reqs: Sequence[Request], extras: dict, t0: float, t1: float) -> None:

@@ -261,7 +261,7 @@ class StoreClient(Store):
     def _connect(self, secret: bytes, connect_timeout: float) -> socket.socket:
         """Connect and authenticate, retrying with back-off while the server is not up yet."""
         deadline = time.monotonic() + connect_timeout
-        delay, last, closed = 0.05, "none", 0
+        delay, last = 0.05, "none"
         while (left := deadline - time.monotonic()) > 0:
             sock: socket.socket | None = None
             try:
@@ -272,9 +272,7 @@ class StoreClient(Store):
             except BaseException as exc:
                 if sock is not None:
                     sock.close()
-                if isinstance(exc, auth.HandshakeClosedError) and closed < 3:
-                    closed += 1  # a server shutting down (a restart) looks the same at first
-                elif not isinstance(exc, OSError):  # a wrong secret: retrying cannot help
+                if not isinstance(exc, OSError):  # AuthenticationError: retrying cannot help
                     raise
                 last = str(exc) or type(exc).__name__  # refused, reset, timed out: retry
             time.sleep(max(0.0, min(delay, deadline - time.monotonic())))

@@ -29,6 +29,12 @@ def _finisher(op: ReduceOp, wire: str, count: int):
     return partial(finalize, op=op, count=count, dtype=wire)
 
 
+def _half_average(op: ReduceOp, wire: str) -> bool:
+    """Half-precision averages divide *before* their sums are rounded to the wire dtype:
+    two ranks holding 40000.0 in float16 must average to 40000.0, not overflow to inf."""
+    return op == ReduceOp.AVERAGE and wire in ("float16", "bfloat16")
+
+
 def _needs_single_host_shm(comm: Communicator) -> str | None:
     if comm.shm is None:
         return "shared memory is disabled or this host has a single rank"
@@ -83,7 +89,11 @@ def _ring_over(comm: Communicator, group: Sequence[int], srcs, dsts, op, dtype, 
             np.copyto(buf, srcs[0])
     else:
         buf = _pack(srcs, storage_dtype(wire), codec)
-    _cross(comm, group, buf, reduce, _finisher(op, wire, comm.size), what)
+    finish = _finisher(op, wire, comm.size)
+    if _half_average(op, wire) and finish is not None:
+        finish(buf)  # partial sums of x/n stay within the range of the result
+        finish = None
+    _cross(comm, group, buf, reduce, finish, what)
     if buf is not dsts[0]:
         _unpack(buf, dsts, codec)
 
@@ -93,6 +103,9 @@ def _shm_plan(op: ReduceOp, dtype: str, codec: Codec, size: int) -> tuple:
     """Per (op, dtype, codec): the wire dtype and the bound functions, built once."""
     wire = codec.wire_dtype(dtype)
     squeeze = wire != dtype
+    if _half_average(op, wire) and size > 1:  # divide in float32, round once
+        return (storage_dtype(wire), partial(reduce_into, op=op, dtype=wire, divide_by=size),
+                codec.encode if squeeze else None, codec.decode if squeeze else None, None)
     return (storage_dtype(wire), partial(reduce_into, op=op, dtype=wire),
             codec.encode if squeeze else None, codec.decode if squeeze else None,
             _finisher(op, wire, size))
@@ -126,12 +139,15 @@ def hierarchical_allreduce(comm: Communicator, srcs, dsts, op: ReduceOp, dtype: 
         return
     wire = codec.wire_dtype(dtype)
     reduce = partial(reduce_into, op=op, dtype=wire)
+    finish = _finisher(op, wire, comm.size)
+    local = reduce
+    if _half_average(op, wire):  # the host's sum divided by n before it is rounded
+        local, finish = partial(reduce_into, op=op, dtype=wire, divide_by=comm.size), None
 
     def cross(part: np.ndarray) -> None:
         _cross(comm, group, part, reduce, None, what)
 
-    comm.shm.allreduce(srcs, dsts, storage_dtype(wire), reduce,
+    comm.shm.allreduce(srcs, dsts, storage_dtype(wire), local,
                        encode=codec.encode if wire != dtype else None,
                        decode=codec.decode if wire != dtype else None,
-                       cross=cross, finish=_finisher(op, wire, comm.size), phases=phases,
-                       what=what)
+                       cross=cross, finish=finish, phases=phases, what=what)
