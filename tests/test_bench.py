@@ -124,3 +124,31 @@ def test_overlap_split_of_a_known_timeline() -> None:
     assert got["hidden_share"] == pytest.approx(14 / 18) and got["exposed_ms"] == pytest.approx(4)
     spans = overlap.excerpt(events)
     assert spans[0] == ["training", "FORWARD", 0.0, 10.0] and len(spans) == 5
+
+
+def test_tiny_soak_checks_every_result(tmp_path) -> None:
+    out = tmp_path / "soak.json"
+    proc = _shoal("bench", "soak", "--np", "2", "--ops", "300", "--max-bytes", "64K",
+                  "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:] + proc.stdout[-2000:]
+    data = json.loads(out.read_text())
+    assert data["verdict"]["mismatches"] == 0 and data["verdict"]["pass"]
+    ranks = data["ranks"]
+    assert len(ranks) == 2 and all(r["errors_injected"] > 0 for r in ranks)
+    assert sum(ranks[0]["counts"].values()) == 300
+
+
+def test_faults_detected_and_reported(tmp_path) -> None:
+    out = tmp_path / "benchmarks" / "faults.json"
+    proc = _shoal("bench", "faults", "--only", "kill9-same-host", "mismatch-names",
+                  "strangers", "checkpoint-kill", "--out", str(out), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:] + proc.stdout[-2000:]
+    scenarios = json.loads(out.read_text())["scenarios"]
+    assert all(s["ok"] for s in scenarios.values()), scenarios
+    assert scenarios["kill9-same-host"]["detected_s"] < 15
+    assert "cannot match" in scenarios["mismatch-names"]["message"]
+    proc = _shoal("bench", "report", "--results", str(out.parent),
+                  "--out", str(tmp_path / "BENCHMARKS.md"))
+    assert proc.returncode == 0, proc.stderr
+    text = (tmp_path / "RELIABILITY.md").read_text()
+    assert "| `kill9-same-host`" in text and "as designed" in text and "**wrong**" not in text

@@ -262,3 +262,35 @@ def test_mismatched_models_fail_instead_of_hanging() -> None:
     assert all(status == "err" for status, _ in outcomes), outcomes
     assert "appears not to match sizes" in outcomes[1][1][1], outcomes[1][1][1]
     assert outcomes[0][1][0] == "PeerLostError", outcomes[0]  # rank 1 left: no hang
+
+
+def _spawned(rank: int, world_size: int, ports: tuple[int, int], folder: str) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    import shoal.torch  # noqa: F401  (registers the backend)
+    for var in [v for v in os.environ if v.startswith(("SHOAL_", "MASTER_", "RANK", "WORLD"))]:
+        del os.environ[var]
+    torch.set_num_threads(1)
+    for attempt in range(2):  # destroy, then init again in the same process
+        dist.init_process_group("shoal", init_method=f"tcp://127.0.0.1:{ports[attempt]}",
+                                rank=rank, world_size=world_size)
+        model = torch.nn.parallel.DistributedDataParallel(_net("mlp"))
+        x = _rand(f"spawn{attempt}", rank, (4, 6))
+        model(x).square().sum().backward()
+        grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        everyone = [torch.empty_like(grads) for _ in range(world_size)]
+        dist.all_gather(everyone, grads)
+        assert all(torch.equal(g, everyone[0]) for g in everyone)
+        dist.destroy_process_group()
+    with open(f"{folder}/rank{rank}", "w") as f:
+        f.write("ok")
+
+
+def test_mp_spawn_with_tcp_init_method(tmp_path) -> None:
+    from harness import free_port
+    ports = (free_port(), free_port())
+    torch.multiprocessing.spawn(_spawned, args=(2, ports, str(tmp_path)), nprocs=2,
+                                join=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0", "rank1"]

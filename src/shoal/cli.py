@@ -14,6 +14,8 @@ _BENCH = {
     "exchange": "a real model's gradient exchange, shoal vs gloo vs Horovod",
     "cluster": "allreduce across emulated nodes on a shaped link (root)",
     "train": "end-to-end EfficientNet throughput, shoal vs DDP (source checkout)",
+    "soak": "many mixed collectives checked against numpy: mismatches, memory, cache size",
+    "faults": "inject kill -9, SIGSTOP, a cut link, strangers, mismatches; record detection",
     "report": "regenerate BENCHMARKS.md and its plots from the JSON results",
 }
 

@@ -14,6 +14,7 @@ import json
 import os
 from typing import Any
 
+from .reliability import build as build_reliability
 from .stats import human_bytes
 from .train import BACKENDS as _TRAIN_ORDER
 
@@ -284,9 +285,16 @@ def build(folder: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Write BENCHMARKS.md (and the plots) from ``--results``."""
+    """Write BENCHMARKS.md (and the plots) from ``--results``, and RELIABILITY.md beside it
+    when fault or soak results are there."""
     text = build(args.results)
     with open(args.out, "w") as f:
         f.write(text)
     print(f"wrote {args.out}")
+    reliability = build_reliability(args.results)
+    if reliability is not None:
+        path = os.path.join(os.path.dirname(os.path.abspath(args.out)), "RELIABILITY.md")
+        with open(path, "w") as f:
+            f.write(reliability)
+        print(f"wrote {path}")
     return 0
