@@ -145,7 +145,9 @@ def _api(rank: int) -> None:
     w = torch.full((5,), float(rank))
     hvd.broadcast_(w, root_rank=n - 1, name="bc")
     torch.testing.assert_close(w, torch.full((5,), float(n - 1)))
-    data, recv = hvd.alltoall(torch.arange(2.0 * n) + 100 * rank, name="a2a")
+    data = hvd.alltoall(torch.arange(2.0 * n) + 100 * rank, name="a2a")  # Horovod: no splits,
+    assert data.shape == (2 * n,) and data[0].item() == 2 * rank          # no received splits
+    data, recv = hvd.alltoall(torch.arange(2.0 * n) + 100 * rank, splits=[2] * n, name="a2b")
     assert recv.tolist() == [2] * n and data[0].item() == 2 * rank
     part = hvd.reducescatter(torch.ones(2 * n, 3), op=hvd.Sum, name="rs")
     torch.testing.assert_close(part, torch.full((2, 3), float(n)))

@@ -15,10 +15,11 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 from . import config, topology
+from . import process_sets as process_sets_
 from .auth import secret_bytes
 from .collectives import Handle
 from .communicator import Communicator, local_address
@@ -29,10 +30,12 @@ from .store import PrefixStore
 __all__ = [
     "Handle",
     "allgather",
+    "allgather_async",
     "allgather_object",
     "allreduce",
     "allreduce_async",
     "alltoall",
+    "alltoall_async",
     "barrier",
     "broadcast",
     "broadcast_async",
@@ -42,10 +45,12 @@ __all__ = [
     "cross_size",
     "init",
     "is_initialized",
+    "join",
     "local_rank",
     "local_size",
     "rank",
     "reducescatter",
+    "reducescatter_async",
     "shutdown",
     "size",
     "timeline_range",
@@ -61,7 +66,9 @@ def init(*, rank: int | None = None, size: int | None = None, local_rank: int | 
          local_size: int | None = None, rendezvous_addr: str | None = None,
          rendezvous_port: int | None = None, hostname: str | None = None,
          secret: str | None = None, job_id: str | None = None,
-         serve_store: bool | None = None, **settings: Any) -> None:
+         serve_store: bool | None = None,
+         process_sets: Sequence[process_sets_.ProcessSet | Sequence[int]] = (),
+         **settings: Any) -> None:
     """Join the job: build the default communicator. Safe to call twice (the second call does
     nothing); after ``shutdown()`` it builds a fresh one.
 
@@ -71,6 +78,7 @@ def init(*, rank: int | None = None, size: int | None = None, local_rank: int | 
     (``timeout_s=5``, ``allreduce_algorithm="ring"``). ``serve_store`` says whether rank 0
     serves the rendezvous store (default: unless shoalrun, which serves it, started the job;
     a store outside the workers survives any of them, which lets survivors name the dead).
+    ``process_sets`` are registered at once (Horovod's static process sets).
     """
     with _lock:
         if _state["comm"] is not None:
@@ -83,6 +91,7 @@ def init(*, rank: int | None = None, size: int | None = None, local_rank: int | 
                                secret=secret, job_id=job_id)
         if info.size == 1:
             _state["comm"] = Communicator.create(None, 0, 1, cfg=cfg, hostname=info.hostname)
+            process_sets_.bind(_state["comm"], process_sets)
             return
         if info.secret_is_derived:
             log.warning("SHOAL_SECRET is not set: connections are checked against a secret "
@@ -114,6 +123,7 @@ def init(*, rank: int | None = None, size: int | None = None, local_rank: int | 
             comm.close()
             raise
         _state["comm"] = comm
+        process_sets_.bind(comm, process_sets)
 
 
 def _join(info: topology.LaunchInfo, cfg: config.Config, serving: bool,
@@ -148,6 +158,7 @@ def shutdown() -> None:
     may be called again."""
     with _lock:
         comm, _state["comm"] = _state["comm"], None
+        process_sets_.unbind()
         if comm is not None:
             comm.close()
 
@@ -235,10 +246,14 @@ def _on_default(method: _F) -> _F:
 allreduce_async = _on_default(Communicator.allreduce_async)
 allreduce = _on_default(Communicator.allreduce)
 allgather = _on_default(Communicator.allgather)
+allgather_async = _on_default(Communicator.allgather_async)
 alltoall = _on_default(Communicator.alltoall)
+alltoall_async = _on_default(Communicator.alltoall_async)
 broadcast_async = _on_default(Communicator.broadcast_async)
 broadcast = _on_default(Communicator.broadcast)
 reducescatter = _on_default(Communicator.reducescatter)
+reducescatter_async = _on_default(Communicator.reducescatter_async)
 barrier = _on_default(Communicator.barrier)
+join = _on_default(Communicator.join)
 broadcast_object = _on_default(Communicator.broadcast_object)
 allgather_object = _on_default(Communicator.allgather_object)

@@ -18,7 +18,7 @@ import numpy as np
 
 from .compression import Codec, Compression
 from .engine import Engine, Kind, Request
-from .ops import ReduceOp, check_array
+from .ops import ReduceOp, check_array, scale
 
 __all__ = ["Collectives", "Handle"]
 
@@ -26,9 +26,13 @@ __all__ = ["Collectives", "Handle"]
 class Handle:
     """The pending result of an asynchronous collective."""
 
-    def __init__(self, engine: Engine, future: Future) -> None:
+    def __init__(self, engine: Engine, future: Future,
+                 then: Callable[[Any], Any] | None = None) -> None:
         self._engine = engine
         self._future = future
+        self._then = then
+        self._value: Any = None
+        self._got = False
 
     def done(self) -> bool:
         """True once the result (or error) is ready."""
@@ -36,7 +40,12 @@ class Handle:
 
     def wait(self, timeout: float | None = None) -> Any:
         """Block until done; return the result or raise the collective's error."""
-        return self._engine.wait(self._future, timeout)
+        value = self._engine.wait(self._future, timeout)
+        if self._then is None:
+            return value
+        if not self._got:  # the finishing step (post-scaling, slicing) runs once
+            self._value, self._got = self._then(value), True
+        return self._value
 
     def exception(self) -> BaseException | None:
         """The collective's error once it is done (None if it succeeded)."""
@@ -69,18 +78,23 @@ class Collectives:
         self._counter += 1
         return f"{kind}.noname.{self._counter}"
 
-    def _chain(self, req: Request, result: Any, wake: bool) -> Handle:
+    def _chain(self, req: Request, result: Any, wake: bool,
+               then: Callable[[Any], Any] | None = None) -> Handle:
         """Submit ``req``; the handle resolves to ``result`` (the caller's own array, not the
-        flat storage view the engine works on)."""
+        flat storage view the engine works on), passed through ``then`` if given."""
         req.result = result
-        return Handle(self.engine, self.engine.submit(req, wake=wake))
+        return Handle(self.engine, self.engine.submit(req, wake=wake), then)
 
     def allreduce_async(self, array: np.ndarray, op: ReduceOp = ReduceOp.AVERAGE,
                         name: str | None = None, out: np.ndarray | None = None,
                         compression: Codec = Compression.none, *, bf16: bool = False,
-                        fused: bool = False, _wake: bool = True) -> Handle:
+                        fused: bool = False, prescale_factor: float = 1.0,
+                        postscale_factor: float = 1.0, _wake: bool = True) -> Handle:
         """Start combining ``array`` across ranks; returns a :class:`Handle` at once.
 
+        ``prescale_factor`` multiplies the input before the reduction (in ``out``, so
+        ``array`` is left alone unless it is ``out``), ``postscale_factor`` the result
+        (integers in float64, half precision in float32, as Horovod scales).
         ``bf16=True`` marks a 16-bit integer array as holding bfloat16 words (how adapters hand
         over bfloat16 tensors when ``ml_dtypes`` is not installed). ``fused=True`` says the
         caller has fused its tensors already (a gradient bucket): the engine starts it at once
@@ -97,9 +111,20 @@ class Collectives:
                              f"{array.dtype} array of shape {array.shape}")
         desc = (f"allreduce shape={_shape(array)} dtype={dtype} op={op.name.capitalize()} "
                 f"compression={compression.name}")
-        req = Request(Kind.ALLREDUCE, name, _storage(array, dtype), _storage(out, dtype), dtype,
-                      desc, op=op, codec=compression, fused=fused)
-        return self._chain(req, out, _wake)
+        src, dst = _storage(array, dtype), _storage(out, dtype)
+        if prescale_factor != 1.0:
+            if dst is not src and dst.ctypes.data != src.ctypes.data:
+                np.copyto(dst, src)
+            scale(dst, prescale_factor, dtype)
+            src = dst
+        req = Request(Kind.ALLREDUCE, name, src, dst, dtype, desc, op=op, codec=compression,
+                      fused=fused)
+        then = None
+        if postscale_factor != 1.0:
+            def then(result: np.ndarray) -> np.ndarray:
+                scale(dst, postscale_factor, dtype)
+                return result
+        return self._chain(req, out, _wake, then)
 
     def allreduce(self, array: np.ndarray, op: ReduceOp = ReduceOp.AVERAGE,
                   name: str | None = None, out: np.ndarray | None = None,
@@ -122,16 +147,26 @@ class Collectives:
         return Request(kind, name, _storage(array, dtype), None, dtype, desc,
                        extra=extra_of(name), trailing=trailing)
 
+    def allgather_async(self, array: np.ndarray, name: str | None = None, *,
+                        _wake: bool = True) -> Handle:
+        """Start concatenating every rank's array along dimension 0 (lengths may differ)."""
+        req = self._rows_request(Kind.ALLGATHER, array, name, lambda n: int(array.shape[0]))
+        return self._chain(req, None, _wake, lambda flat: flat.view(array.dtype)
+                           if array.dtype != flat.dtype else flat)
+
     def allgather(self, array: np.ndarray, name: str | None = None) -> np.ndarray:
         """Concatenate every rank's array along dimension 0 (lengths may differ per rank)."""
-        req = self._rows_request(Kind.ALLGATHER, array, name, lambda n: int(array.shape[0]))
-        flat = self.engine.wait(self.engine.submit(req, wake=False))
-        return flat.view(array.dtype) if array.dtype != flat.dtype else flat
+        return self.allgather_async(array, name, _wake=False).wait()
 
     def alltoall(self, array: np.ndarray, splits: Any = None,
                  name: str | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Send ``splits[i]`` rows of ``array`` to rank ``i`` and gather what every rank sent
         here; returns ``(data, received splits)``. Without ``splits`` the rows divide evenly."""
+        return self.alltoall_async(array, splits, name, _wake=False).wait()
+
+    def alltoall_async(self, array: np.ndarray, splits: Any = None, name: str | None = None,
+                       *, _wake: bool = True) -> Handle:
+        """Start :meth:`alltoall`; the handle resolves to ``(data, received splits)``."""
         engine = self.engine
 
         def check(name: str) -> list[int]:
@@ -147,8 +182,11 @@ class Collectives:
                                  f"be {n} non-negative counts summing to {rows}")
             return got
         req = self._rows_request(Kind.ALLTOALL, array, name, check)
-        data, recv = engine.wait(engine.submit(req, wake=False))
-        return (data.view(array.dtype) if array.dtype != data.dtype else data), recv
+
+        def then(result: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+            data, recv = result
+            return (data.view(array.dtype) if array.dtype != data.dtype else data), recv
+        return self._chain(req, None, _wake, then)
 
     def broadcast_async(self, array: np.ndarray, root_rank: int, name: str | None = None, *,
                         _wake: bool = True) -> Handle:
@@ -170,17 +208,40 @@ class Collectives:
         it."""
         return self.broadcast_async(array, root_rank, name, _wake=False).wait()
 
-    def reducescatter(self, array: np.ndarray, op: ReduceOp = ReduceOp.AVERAGE,
-                      name: str | None = None) -> np.ndarray:
-        """Reduce, then keep this rank's block of the first dimension (earlier ranks get the
-        extra rows when it does not divide evenly, as in Horovod)."""
+    def reducescatter_async(self, array: np.ndarray, op: ReduceOp = ReduceOp.AVERAGE,
+                            name: str | None = None, *, bf16: bool = False,
+                            prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                            _wake: bool = True) -> Handle:
+        """Start :meth:`reducescatter`; the handle resolves to this rank's block."""
         engine = self.engine
         if getattr(array, "ndim", 1) == 0:
-            raise ValueError(f"rank {engine.rank}: reducescatter needs at least one dimension")
-        total = self.allreduce(array, op, name=self._auto_name("reducescatter", name))
+            raise ValueError(f"rank {engine.rank}: reducescatter tensor {name!r} is a scalar; "
+                             f"it needs at least one dimension to scatter")
+        if ReduceOp(op) not in (ReduceOp.SUM, ReduceOp.AVERAGE, ReduceOp.MIN, ReduceOp.MAX,
+                                ReduceOp.PRODUCT):
+            raise NotImplementedError(f"rank {engine.rank}: reducescatter does not support op "
+                             f"{ReduceOp(op).name}")
         base, extra = divmod(array.shape[0], engine.size)
         start = engine.rank * base + min(engine.rank, extra)
-        return total[start:start + base + (engine.rank < extra)].copy()
+        stop = start + base + (engine.rank < extra)
+        handle = self.allreduce_async(array, op, name=self._auto_name("reducescatter", name),
+                                      bf16=bf16, prescale_factor=prescale_factor,
+                                      postscale_factor=postscale_factor, _wake=_wake)
+        return Handle(engine, handle._future,
+                      lambda _r: handle.wait()[start:stop].copy())
+
+    def reducescatter(self, array: np.ndarray, op: ReduceOp = ReduceOp.AVERAGE,
+                      name: str | None = None, **kwargs: Any) -> np.ndarray:
+        """Reduce, then keep this rank's block of the first dimension (earlier ranks get the
+        extra rows when it does not divide evenly, as in Horovod)."""
+        return self.reducescatter_async(array, op, name, _wake=False, **kwargs).wait()
+
+    def join(self) -> int:
+        """Say this rank has no more work (uneven data): until every rank has joined, it takes
+        part in the allreduces the others still run with neutral contributions (zeros for
+        sums and averages, which still divide by the full size). Returns the last rank to
+        join, the same on every rank. Other collectives fail while some rank has joined."""
+        return self.engine.wait(self.engine.join())
 
     def barrier(self) -> None:
         """Wait until every rank reaches the barrier."""

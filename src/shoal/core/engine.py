@@ -38,13 +38,15 @@ from .comm import Transport
 from .compression import Codec, Compression
 from .config import Config
 from .errors import CollectiveMismatchError, PeerLostError, ShoalError, ShoalTimeoutError
+from .neutral import neutral_allreduce, parse_allreduce_desc
 from .ops import ReduceOp
 from .timeline import Timeline
 
 __all__ = ["Engine", "Kind", "Request", "mismatch_message"]
 
 log = logging.getLogger("shoal.engine")
-_HEAD = struct.Struct("!qqB")  # bit-vector bytes, cache size, "stuck" flag
+_HEAD = struct.Struct("!qqB")  # bit-vector bytes, cache size, flags
+_STUCK, _JOINED = 1, 2  # flags: waited past stall_warning_s; this rank has called join()
 
 
 class Kind(enum.Enum):
@@ -54,6 +56,7 @@ class Kind(enum.Enum):
     ALLGATHER = "allgather"
     BROADCAST = "broadcast"
     ALLTOALL = "alltoall"
+    JOIN = "join"
 
 
 _PER_CALL = (Kind.ALLGATHER, Kind.ALLTOALL)  # carry per-rank sizes every time
@@ -116,6 +119,8 @@ class Engine:
         self._stopping = False
         self._buffers = 0
         self.rounds = 0
+        self._join: Request | None = None  # this rank's join() in progress
+        self._join_seen: dict[int, int] = {}  # rank -> round it was first seen joined
         self._thread = threading.Thread(target=self._loop, name="shoal-engine", daemon=True)
         self._thread.start()
 
@@ -185,7 +190,7 @@ class Engine:
         progressed = True
         while True:
             with self._cv:
-                while not self._pending and not self._stopping:
+                while not self._pending and self._join is None and not self._stopping:
                     self._cv.wait(1.0)
                 if self._stopping:
                     return
@@ -197,7 +202,7 @@ class Engine:
                 continue
             try:
                 progressed = True
-                if self._pending and self._broken is None:
+                if (self._pending or self._join is not None) and self._broken is None:
                     progressed = self._round()
                     if not progressed:
                         self._check_stalls()
@@ -257,8 +262,11 @@ class Engine:
         packed = np.packbits(bits).tobytes()
         tail = json.dumps(new).encode() if new else b"[]"
         now = time.perf_counter()
-        stuck = bool(reqs) and now - min(r.enqueued for r in reqs) > self.cfg.stall_warning_s
-        return _HEAD.pack(len(packed), len(self._by_id), stuck) + packed + tail
+        flags = _STUCK if reqs and now - min(r.enqueued for r in reqs) > \
+            self.cfg.stall_warning_s else 0
+        if self._join is not None:
+            flags |= _JOINED
+        return _HEAD.pack(len(packed), len(self._by_id), flags) + packed + tail
 
     def _round(self) -> bool:
         """One negotiation round and the collectives it agrees on; True if any ran."""
@@ -270,7 +278,7 @@ class Engine:
         t1 = time.perf_counter()
         order, extras, refused = self._decide(blobs, reqs)
         mine = {r.name: r for r in reqs}
-        runnable = [mine[name] for name in order]
+        runnable = [mine[name] if name in mine else self._neutral(name) for name in order]
         with self._cv:
             for req in runnable:
                 del self._pending[req.name]
@@ -281,7 +289,8 @@ class Engine:
         self._execute(runnable, extras, t0, t1)
         self._evict()
         self._inflight = []
-        return bool(runnable)
+        joined = self._join_complete()
+        return bool(runnable) or joined
 
     def _decide(self, blobs: list[bytes], reqs: Sequence[Request]
                 ) -> tuple[list[str], dict, dict[str, CollectiveMismatchError]]:
@@ -293,8 +302,12 @@ class Engine:
         compared one by one.
         """
         n_cached = len(self._by_id)
-        if blobs[0].endswith(b"]") and blobs[0][-2:] == b"[]" and blobs.count(blobs[0]) == \
-                len(blobs):  # steady state: every rank proposes the same cached set
+        flags = [_HEAD.unpack_from(blob)[2] for blob in blobs]
+        joined = [r for r, f in enumerate(flags) if f & _JOINED]
+        for r in joined:
+            self._join_seen.setdefault(r, self.rounds)
+        if not joined and blobs[0].endswith(b"]") and blobs[0][-2:] == b"[]" and \
+                blobs.count(blobs[0]) == len(blobs):  # steady state: the same cached set
             nbytes, _, _ = _HEAD.unpack_from(blobs[0])
             mask = np.unpackbits(np.frombuffer(blobs[0], np.uint8, nbytes, _HEAD.size),
                                  count=n_cached)
@@ -304,10 +317,10 @@ class Engine:
         bits = np.zeros((self.size, n_cached), bool)
         present: dict[str, dict[int, str]] = {}
         extras: dict[str, dict[int, Any]] = {}
-        stuck = []
+        stuck = [bool(f & _STUCK) for f in flags]
+        active = [r for r in range(self.size) if r not in joined]  # ranks not joined
         for rank, blob in enumerate(blobs):
-            nbytes, size, flag = _HEAD.unpack_from(blob)
-            stuck.append(flag)
+            nbytes, size, _ = _HEAD.unpack_from(blob)
             if size != n_cached:
                 raise ShoalError(f"rank {self.rank}: negotiation cache out of step with rank "
                                  f"{rank} ({size} vs {n_cached} entries); this is a bug")
@@ -319,7 +332,8 @@ class Engine:
                 for name, desc, extra in json.loads(tail):
                     present.setdefault(name, {})[rank] = desc
                     extras.setdefault(name, {})[rank] = extra
-        ready = [self._by_id[i] for i in np.flatnonzero(bits.all(axis=0))] if n_cached else []
+        ready = [self._by_id[i] for i in np.flatnonzero(bits[active].all(axis=0))] \
+            if n_cached and active else []
         fresh: list[str] = []
         refused: dict[str, CollectiveMismatchError] = {}
         for name, descs in present.items():
@@ -327,7 +341,7 @@ class Engine:
             if cached is not None:  # proposed as a bit by the ranks whose desc is unchanged
                 for r in np.flatnonzero(bits[:, cached[0]]):
                     descs[int(r)] = cached[1]
-            if len(descs) < self.size:
+            if not set(active) <= descs.keys() or not active:
                 continue
             if len(set(descs.values())) > 1:
                 refused[name] = CollectiveMismatchError(
@@ -342,6 +356,13 @@ class Engine:
             self._cache[name] = (len(self._by_id), present[name][0])
             self._by_id.append(name)
         ready += fresh
+        if joined and ready:  # joined ranks take part in allreduces only (Horovod's join)
+            for name in [nm for nm in ready if not self._cache[nm][1].startswith("allreduce")]:
+                ready.remove(name)
+                refused[name] = CollectiveMismatchError(
+                    f"rank {self.rank}: {name!r} ({self._cache[name][1].split()[0]}) cannot run "
+                    f"while ranks {joined} have joined; only allreduce takes neutral "
+                    f"contributions from joined ranks")
         if not ready and all(stuck) and not refused:
             # every rank has waited stall_warning_s on collectives no other rank will match
             # (different names, or different collectives): a mismatch, not a hang
@@ -366,6 +387,41 @@ class Engine:
                 req.missing = tuple(r for r in range(self.size) if r not in descs and not (
                     idx is not None and idx < n_cached and bits[r, idx]))
         return sorted(ready, key=lambda nm: self._cache[nm][0]), extras, refused
+
+    # -- join --------------------------------------------------------------------------------
+    def join(self) -> Future:
+        """This rank has no more work: it takes part in the allreduces the others still run
+        with neutral contributions, until every rank has joined. The future resolves to the
+        last rank to join (the same on every rank)."""
+        req = Request(Kind.JOIN, "shoal.join", np.empty(0, np.int64), None, "int64", "join")
+        with self._cv:
+            self._check_usable()
+            if self._join is not None:
+                raise ValueError(f"rank {self.rank}: join() is already in progress")
+            if self.size == 1:
+                req.future.set_result(self.rank)
+                return req.future
+            self._join = req
+            self._cv.notify()
+        return req.future
+
+    def _neutral(self, name: str) -> Request:
+        """The request a joined rank contributes to ``name`` (an allreduce)."""
+        desc = self._cache[name][1]
+        shape, dtype, op, codec = parse_allreduce_desc(desc)  # type: ignore[misc]
+        array = neutral_allreduce(shape, dtype, op)
+        return Request(Kind.ALLREDUCE, name, array, np.empty_like(array), dtype, desc, op=op,
+                       codec=codec)
+
+    def _join_complete(self) -> bool:
+        """After a round in which every rank was joined: resolve join() with the last rank to
+        join (latest round first seen, then the highest rank)."""
+        if len(self._join_seen) < self.size or self._join is None:
+            return False
+        last = max(self._join_seen, key=lambda r: (self._join_seen[r], r))
+        req, self._join, self._join_seen = self._join, None, {}
+        req.future.set_result(last)
+        return True
 
     # -- the bounded name cache ------------------------------------------------------------
     def _touch(self, names: Sequence[str]) -> None:

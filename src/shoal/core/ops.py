@@ -28,6 +28,7 @@ __all__ = [
     "finalize",
     "logical_dtype",
     "reduce_into",
+    "scale",
     "stage_op",
 ]
 
@@ -194,14 +195,33 @@ def reduce_into(dst: np.ndarray, sources: list[np.ndarray], op: ReduceOp, dtype:
 
 
 def finalize(dst: np.ndarray, op: ReduceOp, count: int, dtype: str) -> None:
-    """Turn a sum into an average in place (integers use floor division)."""
+    """Turn a sum into an average in place (integers truncate toward zero)."""
     if op != ReduceOp.AVERAGE or count == 1:
         return
     if dtype in _HALF:
         acc = _widen(dst, dtype)
         np.divide(acc, count, out=acc)
         _narrow(acc, dst, dtype)
-    elif dst.dtype.kind in "iu":
+    elif dst.dtype.kind in "iu":  # truncated toward zero, as C and Horovod divide
+        rem = np.remainder(dst, count)
         np.floor_divide(dst, count, out=dst)
+        if dst.dtype.kind == "i":
+            dst += ((rem != 0) & (dst < 0)).astype(dst.dtype)
     else:
         np.divide(dst, count, out=dst)
+
+
+def scale(array: np.ndarray, factor: float, dtype: str) -> None:
+    """Multiply ``array`` (flat storage of logical ``dtype``) by ``factor`` in place, as
+    Horovod's pre- and post-scaling does: integers in float64 (truncated back), half
+    precision in float32."""
+    if factor == 1.0 or array.size == 0:
+        return
+    if dtype in _HALF:
+        acc = _widen(array, dtype)
+        np.multiply(acc, factor, out=acc)
+        _narrow(acc, array, dtype)
+    elif array.dtype.kind in "iub":
+        np.copyto(array, array.astype(np.float64) * factor, casting="unsafe")
+    else:
+        np.multiply(array, factor, out=array, casting="unsafe")

@@ -22,36 +22,53 @@ from shoal.core.api import (
     shutdown,
     size,
 )
+from shoal.core.errors import PeerLostError as HorovodInternalError
+from shoal.core.errors import ShoalError
+from shoal.core.process_sets import (
+    ProcessSet,
+    add_process_set,
+    global_process_set,
+    remove_process_set,
+)
 
+from .autograd import (
+    allgather,
+    allreduce,
+    allreduce_,
+    alltoall,
+    broadcast,
+    broadcast_,
+    grouped_allgather,
+    grouped_allreduce,
+    grouped_allreduce_,
+    grouped_reducescatter,
+    oob_allreduce,
+    reducescatter,
+)
+from .compression import Compression, Compressor
 from .ops import (
     Adasum,
     Average,
-    Compression,
     Max,
     Min,
     Product,
     ReduceOp,
     Sum,
-    allgather,
     allgather_async,
-    allreduce,
-    allreduce_,
     allreduce_async,
     allreduce_async_,
-    alltoall,
+    alltoall_async,
     barrier,
-    broadcast,
-    broadcast_,
     broadcast_async,
     broadcast_async_,
-    grouped_allreduce,
-    grouped_allreduce_,
+    grouped_allgather_async,
     grouped_allreduce_async,
     grouped_allreduce_async_,
+    grouped_reducescatter_async,
     join,
-    oob_allreduce,
     poll,
-    reducescatter,
+    reducescatter_async,
+    sparse_allreduce_async,
     synchronize,
 )
 from .optimizer import DistributedOptimizer
@@ -80,13 +97,38 @@ def mpi_enabled() -> bool:
     return False
 
 
+def mpi_built() -> bool:
+    """shoal is not built on MPI."""
+    return False
+
+
 def gloo_enabled() -> bool:
     """shoal does not use gloo."""
     return False
 
 
+def gloo_built() -> bool:
+    """shoal is not built on gloo."""
+    return False
+
+
 def nccl_built() -> bool:
-    """shoal reduces on CPUs; no NCCL."""
+    """shoal reduces on CPUs; no NCCL (Horovod answers 0 for "not built")."""
+    return False
+
+
+def ddl_built() -> bool:
+    """No IBM DDL."""
+    return False
+
+
+def ccl_built() -> bool:
+    """No oneCCL."""
+    return False
+
+
+def rocm_built() -> bool:
+    """No ROCm-specific code paths."""
     return False
 
 
@@ -100,15 +142,86 @@ def mpi_threads_supported() -> bool:
     return True
 
 
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Not available: shoal's timeline is chosen at ``init`` (``SHOAL_TIMELINE``)."""
+    raise ShoalError("start_timeline: shoal writes its timeline from init() on; set "
+                     "SHOAL_TIMELINE (or shoalrun --timeline-filename) before init()")
+
+
+def stop_timeline() -> None:
+    """Not available: see :func:`start_timeline`."""
+    raise ShoalError("stop_timeline: shoal's timeline runs from init() to shutdown()")
+
+
 __all__ = [
-    "Adasum", "Average", "Compression", "DistributedOptimizer", "Max", "Min", "Product",
-    "ReduceOp", "Sum", "SyncBatchNorm", "allgather", "allgather_async", "allgather_object",
-    "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "alltoall", "barrier",
-    "broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "broadcast_object",
-    "broadcast_optimizer_state", "broadcast_parameters", "convert_sync_batchnorm",
-    "cross_rank", "cross_size", "cuda_built", "gloo_enabled", "grouped_allreduce",
-    "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "init",
-    "is_initialized", "join", "local_rank", "local_size", "mpi_enabled",
-    "mpi_threads_supported", "nccl_built", "oob_allreduce", "poll", "rank",
-    "reducescatter", "shutdown", "size", "synchronize",
+    "Adasum",
+    "Average",
+    "Compression",
+    "Compressor",
+    "DistributedOptimizer",
+    "HorovodInternalError",
+    "Max",
+    "Min",
+    "ProcessSet",
+    "Product",
+    "ReduceOp",
+    "Sum",
+    "SyncBatchNorm",
+    "add_process_set",
+    "allgather",
+    "allgather_async",
+    "allgather_object",
+    "allreduce",
+    "allreduce_",
+    "allreduce_async",
+    "allreduce_async_",
+    "alltoall",
+    "alltoall_async",
+    "barrier",
+    "broadcast",
+    "broadcast_",
+    "broadcast_async",
+    "broadcast_async_",
+    "broadcast_object",
+    "broadcast_optimizer_state",
+    "broadcast_parameters",
+    "ccl_built",
+    "convert_sync_batchnorm",
+    "cross_rank",
+    "cross_size",
+    "cuda_built",
+    "ddl_built",
+    "global_process_set",
+    "gloo_built",
+    "gloo_enabled",
+    "grouped_allgather",
+    "grouped_allgather_async",
+    "grouped_allreduce",
+    "grouped_allreduce_",
+    "grouped_allreduce_async",
+    "grouped_allreduce_async_",
+    "grouped_reducescatter",
+    "grouped_reducescatter_async",
+    "init",
+    "is_initialized",
+    "join",
+    "local_rank",
+    "local_size",
+    "mpi_built",
+    "mpi_enabled",
+    "mpi_threads_supported",
+    "nccl_built",
+    "oob_allreduce",
+    "poll",
+    "rank",
+    "reducescatter",
+    "reducescatter_async",
+    "remove_process_set",
+    "rocm_built",
+    "shutdown",
+    "size",
+    "sparse_allreduce_async",
+    "start_timeline",
+    "stop_timeline",
+    "synchronize",
 ]

@@ -20,10 +20,12 @@ from typing import Any
 
 import torch
 
-import shoal
-from shoal.core.compression import Codec
+from shoal.core.collectives import Handle
 from shoal.core.ops import ReduceOp
 
+from .compression import user_compressor as _user_compressor
+from .compression import wire_codec
+from .ops import _comm, sparse_allreduce_async
 from .tensors import Staged, stage
 
 __all__ = ["Buckets", "auto_bucket_bytes"]
@@ -62,7 +64,8 @@ class _Bucket:
     flat: torch.Tensor
     views: list[torch.Tensor]                       # each parameter's slice, in its shape
     marks: set[int] = field(default_factory=set)    # which gradients have arrived this step
-    handle: shoal.Handle | None = None
+    handle: Handle | None = None
+    ctx: Any = None                                 # a user compressor's context
     staged: Staged | None = None
 
 
@@ -70,12 +73,18 @@ class Buckets:
     """The gradient buckets of one optimizer; see the module docstring."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter], names: dict[torch.nn.Parameter, str],
-                 bucket_bytes: int, compression: Codec, op: ReduceOp,
-                 predivide: float) -> None:
+                 bucket_bytes: int, compression: Any, op: ReduceOp,
+                 predivide: float, process_set: Any = None,
+                 sparse_as_dense: bool = False) -> None:
         self._params = list(params)   # registration order; the reverse is the first guess
+        self._process_set = process_set
+        self._comm = _comm(process_set)
+        self._sparse_as_dense = sparse_as_dense
+        self._sparse: dict[torch.nn.Parameter, Any] = {}  # sparse gradients in flight
         self._names = names
         self._bucket_bytes = max(1, int(bucket_bytes))
-        self._compression = compression
+        self._compression = wire_codec(compression)
+        self._user = compression if _user_compressor(compression) else None
         self._op = op
         self._predivide = predivide
         self._generation = 0
@@ -136,11 +145,15 @@ class Buckets:
         The caller makes sure this happens once per parameter and step."""
         b, j = self._where[p]
         grad = p.grad
-        if grad.is_sparse:
-            raise TypeError(f"rank {shoal.rank()}: {self._names[p]} has a sparse gradient; "
-                            f"DistributedOptimizer reduces dense gradients only")
         view = b.views[j]
-        if grad.data_ptr() != view.data_ptr():
+        if grad.is_sparse and not self._sparse_as_dense:
+            # Horovod's way: allgather indices and values; the bucket carries zeros for it
+            self._sparse[p] = sparse_allreduce_async(grad, f"grad.sparse.{self._names[p]}",
+                                                     self._op, self._process_set)
+            view.zero_()
+        elif grad.is_sparse:
+            view.copy_(grad.to_dense())
+        elif grad.data_ptr() != view.data_ptr():
             view.copy_(grad)
         b.marks.add(j)
         if self._arrival is not None:
@@ -149,13 +162,17 @@ class Buckets:
             self._submit(b)
 
     def _submit(self, b: _Bucket) -> None:
-        s = stage(b.flat)
+        if self._user is not None:  # a user's compressor: around the reduction, as Horovod
+            squeezed, b.ctx = self._user.compress(b.flat)
+            s = stage(squeezed, copy=squeezed.data_ptr() == b.flat.data_ptr())
+        else:
+            s = stage(b.flat)
         op = self._op
         if self._predivide != 1.0:
             s.host.mul_(1.0 / self._predivide)
             op = ReduceOp.SUM
-        b.handle = shoal.allreduce_async(s.array, op=op, name=b.name, out=s.array,
-                                         compression=self._compression, bf16=s.bf16)
+        b.handle = self._comm.allreduce_async(s.array, op=op, name=b.name, out=s.array,
+                                              compression=self._compression, bf16=s.bf16)
         b.staged = s
 
     def finish(self) -> None:
@@ -167,12 +184,12 @@ class Buckets:
                 for j, p in enumerate(b.params):
                     if j in b.marks:
                         continue
-                    if p.grad is None:
+                    if p.grad is None or p.grad.is_sparse:
                         b.views[j].zero_()
                     elif p.grad.data_ptr() != b.views[j].data_ptr():
                         b.views[j].copy_(p.grad)
                 self._submit(b)
-        post = self._predivide / shoal.size() if self._predivide != 1.0 else 1.0
+        post = self._predivide / self._comm.size if self._predivide != 1.0 else 1.0
         error: BaseException | None = None
         for b in self._buckets:
             assert b.handle is not None and b.staged is not None
@@ -184,12 +201,23 @@ class Buckets:
             finally:
                 b.handle = None
                 b.marks.clear()
-            b.staged.finish()
+            if self._user is not None:
+                b.flat.copy_(self._user.decompress(b.staged.finish(), b.ctx))
+            else:
+                b.staged.finish()
             if post != 1.0:
                 b.flat.mul_(post)
             for j, p in enumerate(b.params):
+                if p in self._sparse:
+                    continue
                 if p.grad is None or p.grad.data_ptr() != b.views[j].data_ptr():
                     p.grad = b.views[j]
+        for p, result in self._sparse.items():
+            try:
+                p.grad = result()
+            except BaseException as exc:
+                error = error or exc
+        self._sparse.clear()
         if error is not None:
             raise error
         self._settle_order()
@@ -203,7 +231,8 @@ class Buckets:
         order = list(dict.fromkeys(seen))
         reached = set(order)
         order += [i for i in reversed(range(len(self._params))) if i not in reached]
-        order = shoal.broadcast_object(order, root_rank=0, name="shoal.torch.buckets.order")
+        order = self._comm.broadcast_object(order, root_rank=0,
+                                            name="shoal.torch.buckets.order")
         current = [self._index[p] for b in self._buckets for p in b.params]
         if order != current:
             grads = {p: p.grad for p in self._params}

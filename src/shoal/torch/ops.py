@@ -1,296 +1,278 @@
-"""Horovod's PyTorch collectives over shoal's engine.
+"""Horovod's PyTorch collectives over shoal's communicators.
 
 Naming rule, stated once (Horovod's): a trailing ``_`` works in place, ``_async`` returns a
-handle at once (``synchronize(handle)`` waits and returns the tensor, ``poll(handle)`` says
-whether it is done). Every collective is implemented once, in :func:`_allreduce_async` and its
-siblings; the public names are thin combinations.
+handle at once (``synchronize(handle)`` waits and returns the result, ``poll(handle)`` says
+whether it is done), ``grouped_`` takes a list. Everything framework-agnostic (process sets,
+join, scaling, reduce-scatter, negotiation) is the core's; this module maps tensors to numpy
+views and back, and adds autograd with Horovod's gradient rules (:mod:`.autograd`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
-import shoal
-from shoal.core.compression import Codec, Compression
-from shoal.core.ops import ReduceOp, no_process_sets, resolve_op
+from shoal.core import process_sets as ps_
+from shoal.core.collectives import Handle
+from shoal.core.communicator import Communicator
+from shoal.core.ops import ReduceOp, resolve_op
 
+from .compression import Compression, wire_codec
 from .tensors import Staged, stage
 
 __all__ = [
-    "Adasum",
-    "Average",
-    "Compression",
-    "Max",
-    "Min",
-    "Product",
-    "ReduceOp",
-    "Sum",
-    "allgather",
-    "allgather_async",
-    "allreduce",
-    "allreduce_",
-    "allreduce_async",
-    "allreduce_async_",
-    "alltoall",
-    "barrier",
-    "broadcast",
-    "broadcast_",
-    "broadcast_async",
-    "broadcast_async_",
-    "grouped_allreduce",
-    "grouped_allreduce_",
-    "grouped_allreduce_async",
-    "grouped_allreduce_async_",
-    "join",
-    "oob_allreduce",
-    "poll",
-    "reducescatter",
-    "synchronize",
+    "Adasum", "Average", "Max", "Min", "Product", "ReduceOp", "Sum", "TorchHandle",
+    "allgather_async", "allreduce_async", "allreduce_async_", "alltoall_async", "barrier",
+    "broadcast_async", "broadcast_async_", "grouped_allgather_async",
+    "grouped_allreduce_async", "grouped_allreduce_async_", "grouped_reducescatter_async",
+    "join", "poll", "reducescatter_async", "sparse_allreduce_async", "synchronize",
 ]
 
 Average, Sum, Min, Max, Product, Adasum = (ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.MIN,
                                            ReduceOp.MAX, ReduceOp.PRODUCT, ReduceOp.ADASUM)
 
 
-@dataclass
 class TorchHandle:
     """What the ``_async`` functions return; pass it to :func:`synchronize` / :func:`poll`."""
 
-    handles: list[shoal.Handle]
-    staged: list[Staged]
-    post: float = 1.0
-    grouped: bool = False
+    def __init__(self, handles: Sequence[Handle], finish: Callable[[list[Any]], Any]) -> None:
+        self.handles = list(handles)
+        self._finish = finish
+        self._result: Any = None
+        self._done = False
 
     def done(self) -> bool:
-        """True once every part has completed."""
+        """True once every part has completed (results are written back by :meth:`wait`)."""
         return all(h.done() for h in self.handles)
 
-    def wait(self) -> torch.Tensor | list[torch.Tensor]:
-        """Wait, write results back, apply the post-scale; return the tensor(s)."""
-        for h in self.handles:
-            h.wait()
-        out = []
-        for s in self.staged:
-            t = s.finish()
-            if self.post != 1.0:
-                t.mul_(self.post)
-            out.append(t)
-        return out if self.grouped else out[0]
+    def wait(self) -> Any:
+        """Wait, write results back; return the tensor(s)."""
+        if not self._done:
+            self._result = self._finish([h.wait() for h in self.handles])
+            self._done = True
+        return self._result
 
 
-def _allreduce_async(tensors: Sequence[torch.Tensor], *, inplace: bool, name: str | None,
-                     op: ReduceOp, compression: Codec, prescale_factor: float,
-                     postscale_factor: float, grouped: bool) -> TorchHandle:
+def _comm(process_set: Any) -> Communicator:
+    return ps_.communicator_for(process_set)
+
+
+def _tensor(array: np.ndarray, like: torch.Tensor, bf16: bool) -> torch.Tensor:
+    out = torch.from_numpy(np.ascontiguousarray(array))
+    if bf16:
+        out = out.view(torch.bfloat16)
+    return out.to(like.device) if like.is_cuda else out
+
+
+def _parts(name: str | None, count: int) -> list[str | None]:
+    return [None if name is None else f"{name}.{i}" for i in range(count)] if count > 1 \
+        else [name]
+
+
+# -- allreduce -----------------------------------------------------------------------------------
+def _allreduce_async(tensors: Sequence[torch.Tensor], inplace: bool, name: str | None,
+                     op: ReduceOp, prescale: float, postscale: float, compression: Any,
+                     process_set: Any, grouped: bool) -> TorchHandle:
+    comm = _comm(process_set)
+    codec = wire_codec(compression)
     staged, handles = [], []
-    for i, t in enumerate(tensors):
+    for t, part in zip(tensors, _parts(name, len(tensors)) if grouped else [name],
+                       strict=True):
         s = stage(t, copy=not inplace)
-        if prescale_factor != 1.0:
-            s.host.mul_(prescale_factor)
-        part = None if name is None else (f"{name}.{i}" if grouped else name)
-        handles.append(shoal.allreduce_async(s.array, op=op, name=part, out=s.array,
-                                             compression=compression, bf16=s.bf16))
+        handles.append(comm.allreduce_async(s.array, op, part, out=s.array, compression=codec,
+                                            bf16=s.bf16, prescale_factor=prescale,
+                                            postscale_factor=postscale))
         staged.append(s)
-    return TorchHandle(handles, staged, postscale_factor, grouped)
+
+    def finish(_: list[Any]) -> Any:
+        out = [s.finish() for s in staged]
+        return out if grouped else out[0]
+    return TorchHandle(handles, finish)
 
 
 def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                     op: ReduceOp | None = None, prescale_factor: float = 1.0,
-                    postscale_factor: float = 1.0, compression: Codec = Compression.none,
-                    process_set: Any = None) -> TorchHandle:
+                    postscale_factor: float = 1.0, process_set: Any = None,
+                    compression: Any = Compression.none) -> TorchHandle:
     """Start reducing a copy of ``tensor`` across ranks (Average by default)."""
-    no_process_sets(process_set)
-    return _allreduce_async([tensor], inplace=False, name=name, op=resolve_op(average, op),
-                            compression=compression, prescale_factor=prescale_factor,
-                            postscale_factor=postscale_factor, grouped=False)
+    return _allreduce_async([tensor], False, name, resolve_op(average, op), prescale_factor,
+                            postscale_factor, compression, process_set, False)
 
 
 def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                      op: ReduceOp | None = None, prescale_factor: float = 1.0,
-                     postscale_factor: float = 1.0, compression: Codec = Compression.none,
-                     process_set: Any = None) -> TorchHandle:
+                     postscale_factor: float = 1.0, process_set: Any = None,
+                     compression: Any = Compression.none) -> TorchHandle:
     """Start reducing ``tensor`` in place."""
-    no_process_sets(process_set)
-    return _allreduce_async([tensor], inplace=True, name=name, op=resolve_op(average, op),
-                            compression=compression, prescale_factor=prescale_factor,
-                            postscale_factor=postscale_factor, grouped=False)
-
-
-def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
-              compression: Codec = Compression.none, op: ReduceOp | None = None,
-              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-              process_set: Any = None) -> torch.Tensor:
-    """A reduced copy of ``tensor``."""
-    return allreduce_async(tensor, average, name, op, prescale_factor, postscale_factor,
-                           compression, process_set).wait()
-
-
-def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
-               op: ReduceOp | None = None, prescale_factor: float = 1.0,
-               postscale_factor: float = 1.0, compression: Codec = Compression.none,
-               process_set: Any = None) -> torch.Tensor:
-    """Reduce ``tensor`` in place and return it."""
-    return allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor,
-                            compression, process_set).wait()
+    return _allreduce_async([tensor], True, name, resolve_op(average, op), prescale_factor,
+                            postscale_factor, compression, process_set, False)
 
 
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None,
                             name: str | None = None, op: ReduceOp | None = None,
                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                            compression: Codec = Compression.none,
-                            process_set: Any = None) -> TorchHandle:
+                            process_set: Any = None,
+                            compression: Any = Compression.none) -> TorchHandle:
     """Start reducing copies of several tensors together (they are fused)."""
-    no_process_sets(process_set)
-    return _allreduce_async(tensors, inplace=False, name=name, op=resolve_op(average, op),
-                            compression=compression, prescale_factor=prescale_factor,
-                            postscale_factor=postscale_factor, grouped=True)
+    return _allreduce_async(list(tensors), False, name, resolve_op(average, op),
+                            prescale_factor, postscale_factor, compression, process_set, True)
 
 
 def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None,
                              name: str | None = None, op: ReduceOp | None = None,
                              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                             compression: Codec = Compression.none,
-                             process_set: Any = None) -> TorchHandle:
+                             process_set: Any = None,
+                             compression: Any = Compression.none) -> TorchHandle:
     """Start reducing several tensors in place, together."""
-    no_process_sets(process_set)
-    return _allreduce_async(tensors, inplace=True, name=name, op=resolve_op(average, op),
-                            compression=compression, prescale_factor=prescale_factor,
-                            postscale_factor=postscale_factor, grouped=True)
+    return _allreduce_async(list(tensors), True, name, resolve_op(average, op),
+                            prescale_factor, postscale_factor, compression, process_set, True)
 
 
-def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = None,
-                      name: str | None = None, compression: Codec = Compression.none,
-                      op: ReduceOp | None = None, prescale_factor: float = 1.0,
-                      postscale_factor: float = 1.0,
-                      process_set: Any = None) -> list[torch.Tensor]:
-    """Reduced copies of several tensors."""
-    return grouped_allreduce_async(tensors, average, name, op, prescale_factor,
-                                   postscale_factor, compression, process_set).wait()
+def sparse_allreduce_async(tensor: torch.Tensor, name: str | None, op: ReduceOp | None,
+                           process_set: Any = None) -> Callable[[], torch.Tensor]:
+    """Reduce a sparse COO tensor as Horovod does: allgather its indices and values (the
+    result is uncoalesced; duplicates sum). Returns a function that waits and returns it."""
+    t = tensor.coalesce() if not tensor.is_coalesced() else tensor
+    op = resolve_op(None, op)
+    name = name or None
+    indices = allgather_async(t.indices().transpose(0, 1).contiguous(),
+                              None if name is None else f"{name}.indices", process_set)
+    values = allgather_async(t.values().contiguous(),
+                             None if name is None else f"{name}.values", process_set)
+
+    def result() -> torch.Tensor:
+        vals, idx = synchronize(values), synchronize(indices)
+        if op == Average:
+            vals = vals / _comm(process_set).size
+        return torch.sparse_coo_tensor(idx.transpose(0, 1), vals, t.size())
+    return result
 
 
-def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = None,
-                       name: str | None = None, op: ReduceOp | None = None,
-                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                       compression: Codec = Compression.none,
-                       process_set: Any = None) -> list[torch.Tensor]:
-    """Reduce several tensors in place."""
-    return grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
-                                    postscale_factor, compression, process_set).wait()
+# -- allgather -----------------------------------------------------------------------------------
+def _allgather_async(tensors: Sequence[torch.Tensor], name: str | None, process_set: Any,
+                     grouped: bool) -> TorchHandle:
+    comm = _comm(process_set)
+    staged: list[Staged] = [stage(t) for t in tensors]
+    for t in tensors:
+        if t.dim() == 0:
+            raise ValueError(f"rank {comm.rank}: allgather of a scalar tensor; reshape it "
+                             f"to (1,)")
+    handles = [comm.allgather_async(s.array, part) for s, part in
+               zip(staged, _parts(name, len(tensors)) if grouped else [name], strict=True)]
 
-
-def oob_allreduce(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
-    """SMDDP's out-of-band allreduce for statistics (loss, accuracy): the average, as a copy."""
-    return allreduce(tensor, op=ReduceOp.AVERAGE, name=name)
+    def finish(results: list[np.ndarray]) -> Any:
+        out = [_tensor(r, t, s.bf16) for r, t, s in zip(results, tensors, staged, strict=True)]
+        return out if grouped else out[0]
+    return TorchHandle(handles, finish)
 
 
 def allgather_async(tensor: torch.Tensor, name: str | None = None,
                     process_set: Any = None) -> TorchHandle:
-    """Concatenation of every rank's tensor along dim 0 (handle; sizes may differ)."""
-    no_process_sets(process_set)
-    s = stage(tensor)
-    data = shoal.allgather(s.array, name=name)
-    out = torch.from_numpy(data).view(torch.bfloat16) if s.bf16 else torch.from_numpy(data)
-    out = out.to(tensor.device)
-    return _Done(out)
+    """Start concatenating every rank's tensor along dim 0 (sizes may differ)."""
+    return _allgather_async([tensor], name, process_set, False)
 
 
-def allgather(tensor: torch.Tensor, name: str | None = None,
-              process_set: Any = None) -> torch.Tensor:
-    """Concatenation of every rank's tensor along dim 0 (sizes may differ)."""
-    return allgather_async(tensor, name, process_set).wait()
+def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
+                            process_set: Any = None) -> TorchHandle:
+    """Start allgathering several tensors."""
+    return _allgather_async(list(tensors), name, process_set, True)
+
+
+# -- broadcast -----------------------------------------------------------------------------------
+def _broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None, process_set: Any,
+                     inplace: bool) -> TorchHandle:
+    comm = _comm(process_set)
+    root = ps_.global_process_set.local_rank_of(root_rank) if process_set is None else \
+        process_set.local_rank_of(root_rank)
+    s = stage(tensor, copy=not inplace)
+    return TorchHandle([comm.broadcast_async(s.array, root, name)], lambda _: s.finish())
+
+
+def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+                    process_set: Any = None) -> TorchHandle:
+    """Start broadcasting ``root_rank``'s ``tensor`` into a copy (``root_rank`` is global)."""
+    return _broadcast_async(tensor, root_rank, name, process_set, False)
 
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                      process_set: Any = None) -> TorchHandle:
     """Start overwriting ``tensor`` with ``root_rank``'s values, in place."""
-    no_process_sets(process_set)
-    s = stage(tensor)
-    return TorchHandle([shoal.broadcast_async(s.array, root_rank, name)], [s])
+    return _broadcast_async(tensor, root_rank, name, process_set, True)
 
 
-def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
-                    process_set: Any = None) -> TorchHandle:
-    """Start broadcasting into a copy of ``tensor``."""
-    no_process_sets(process_set)
-    s = stage(tensor, copy=True)
-    return TorchHandle([shoal.broadcast_async(s.array, root_rank, name)], [s])
-
-
-def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
-               process_set: Any = None) -> torch.Tensor:
-    """Overwrite ``tensor`` with ``root_rank``'s values and return it."""
-    return broadcast_async_(tensor, root_rank, name, process_set).wait()
-
-
-def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
-              process_set: Any = None) -> torch.Tensor:
-    """A copy of ``root_rank``'s ``tensor``."""
-    return broadcast_async(tensor, root_rank, name, process_set).wait()
-
-
-def alltoall(tensor: torch.Tensor, splits: torch.Tensor | Sequence[int] | None = None,
-             name: str | None = None,
-             process_set: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scatter row blocks of ``tensor`` to every rank, gather theirs: (data, received splits)."""
-    no_process_sets(process_set)
-    s = stage(tensor)
+# -- alltoall and reducescatter --------------------------------------------------------------
+def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
+                   process_set: Any = None) -> TorchHandle:
+    """Start an alltoall; resolves to ``(output, received_splits)``."""
+    comm = _comm(process_set)
     if isinstance(splits, torch.Tensor):
+        if splits.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"rank {comm.rank}: alltoall splits must be an int32 or int64 "
+                             f"tensor, not {splits.dtype}")
         splits = splits.tolist()
-    data, recv = shoal.alltoall(s.array, splits, name=name)
-    out = torch.from_numpy(data).view(torch.bfloat16) if s.bf16 else torch.from_numpy(data)
-    return out.to(tensor.device), torch.from_numpy(recv)
+    if tensor.dim() == 0:
+        raise ValueError(f"rank {comm.rank}: alltoall of a scalar tensor; reshape it to (1,)")
+    s = stage(tensor)
+
+    def finish(results: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        data, recv = results[0]
+        return _tensor(data, tensor, s.bf16), torch.from_numpy(recv.astype(np.int32))
+    return TorchHandle([comm.alltoall_async(s.array, splits, name)], finish)
 
 
-def reducescatter(tensor: torch.Tensor, op: ReduceOp = ReduceOp.AVERAGE,
-                  name: str | None = None, process_set: Any = None) -> torch.Tensor:
-    """Reduce across ranks and keep this rank's block of dim 0."""
-    no_process_sets(process_set)
-    s = stage(tensor, copy=True)
-    shoal.allreduce(s.array, op=op, name=name, out=s.array, bf16=s.bf16)
-    base, extra = divmod(tensor.shape[0], shoal.size())
-    r = shoal.rank()
-    start = r * base + min(r, extra)
-    return s.finish()[start:start + base + (r < extra)].clone()
+def _reducescatter_async(tensors: Sequence[torch.Tensor], name: str | None, op: ReduceOp,
+                         process_set: Any, prescale: float, postscale: float,
+                         grouped: bool) -> TorchHandle:
+    comm = _comm(process_set)
+    staged = [stage(t) for t in tensors]
+    handles = [comm.reducescatter_async(s.array, op, part, bf16=s.bf16, prescale_factor=prescale,
+                                        postscale_factor=postscale)
+               for s, part in zip(staged, _parts(name, len(tensors)) if grouped else [name],
+                                  strict=True)]
+
+    def finish(results: list[np.ndarray]) -> Any:
+        out = [_tensor(r, t, s.bf16) for r, t, s in zip(results, tensors, staged, strict=True)]
+        return out if grouped else out[0]
+    return TorchHandle(handles, finish)
 
 
-class _Done(TorchHandle):
-    """A handle for a result computed eagerly."""
-
-    def __init__(self, result: torch.Tensor) -> None:
-        super().__init__([], [])
-        self._result = result
-
-    def wait(self) -> torch.Tensor:
-        return self._result
+def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: ReduceOp = Average,
+                        process_set: Any = None, prescale_factor: float = 1.0,
+                        postscale_factor: float = 1.0) -> TorchHandle:
+    """Start a reduce-scatter: this rank's block of dim 0 of the reduction."""
+    return _reducescatter_async([tensor], name, op, process_set, prescale_factor,
+                                postscale_factor, False)
 
 
-def synchronize(handle: TorchHandle) -> torch.Tensor | list[torch.Tensor]:
-    """Wait for an ``_async`` handle; return its tensor(s)."""
+def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | None = None,
+                                op: ReduceOp = Average, process_set: Any = None,
+                                prescale_factor: float = 1.0,
+                                postscale_factor: float = 1.0) -> TorchHandle:
+    """Start reduce-scattering several tensors."""
+    return _reducescatter_async(list(tensors), name, op, process_set, prescale_factor,
+                                postscale_factor, True)
+
+
+# -- waiting, joining, barriers ----------------------------------------------------------------
+def synchronize(handle: TorchHandle) -> Any:
+    """Wait for an ``_async`` handle; return its result."""
     return handle.wait()
 
 
 def poll(handle: TorchHandle) -> bool:
-    """Whether an ``_async`` handle has completed."""
+    """Whether an ``_async`` handle has completed (then :func:`synchronize` does not block)."""
     return handle.done()
 
 
 def barrier(process_set: Any = None) -> None:
-    """Wait until every rank arrives."""
-    no_process_sets(process_set)
-    shoal.barrier()
+    """Wait until every rank of the process set arrives."""
+    _comm(process_set).barrier()
 
 
 def join(device: int = -1) -> int:
-    """Wait until every rank has joined; return the last rank to join.
-
-    Unlike Horovod's, collectives submitted by ranks that have not joined yet are not
-    completed with zeros from the joined ones: finish (or skip) the step on every rank first.
-    """
-    import time
-    stamp = torch.tensor([time.time(), float(shoal.rank())], dtype=torch.float64)
-    everyone = allgather(stamp.view(1, 2), name="shoal.join")
-    return int(everyone[int(torch.argmax(everyone[:, 0])), 1])
-
+    """This rank has no more data: until every rank has joined, it contributes zeros to the
+    allreduces the others still run. Returns the last rank to join (the same everywhere)."""
+    return _comm(None).join()

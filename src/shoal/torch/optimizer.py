@@ -24,10 +24,11 @@ from typing import Any
 import torch
 
 import shoal
-from shoal.core.compression import Codec, Compression
 from shoal.core.ops import ReduceOp
 
 from .buckets import Buckets, auto_bucket_bytes
+from .compression import Compression
+from .ops import _comm
 
 __all__ = ["DistributedOptimizer"]
 
@@ -45,11 +46,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer,
                  named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
-                 compression: Codec = Compression.none, backward_passes_per_step: int = 1,
+                 compression: Any = Compression.none, backward_passes_per_step: int = 1,
                  op: ReduceOp = ReduceOp.AVERAGE, gradient_predivide_factor: float = 1.0,
+                 num_groups: int = 0, groups: Any = None, sparse_as_dense: bool = False,
                  process_set: Any = None, bucket_bytes: int | None = None) -> None:
-        if process_set is not None:
-            raise NotImplementedError("process sets are not supported yet")
+        if op == ReduceOp.ADASUM:
+            raise NotImplementedError("op=Adasum is not supported by shoal; use Average or Sum")
         if backward_passes_per_step < 1:
             raise ValueError("backward_passes_per_step must be >= 1")
         if gradient_predivide_factor != 1.0 and op != ReduceOp.AVERAGE:
@@ -65,6 +67,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
                          "_optimizer_load_state_dict_post_hooks"):
             setattr(self, registry, collections.OrderedDict())
         self._passes = backward_passes_per_step
+        # Horovod's groups/num_groups only decide which gradients are fused together; shoal
+        # fuses by bucket (bucket_bytes), so they are accepted and need no action
+        self.backward_passes_per_step = backward_passes_per_step
+        self.op, self.process_set, self.sparse_as_dense = op, process_set, sparse_as_dense
+        self._comm = _comm(process_set)
         self._names = self._name_parameters(named_parameters)
         self._counts: dict[torch.nn.Parameter, int] = {}
         self._synchronized = False
@@ -75,15 +82,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # alone, every reduction is the identity: no buckets; gradients are counted (for the
         # same errors as with peers) and left where backward put them, as Horovod does
         self._buckets: Buckets | None = None
-        if shoal.size() > 1:
+        if self._comm.size > 1:
             if bucket_bytes is None:
-                cfg = shoal.communicator().cfg
+                cfg = self._comm.cfg
                 bucket_bytes = cfg.bucket_bytes or auto_bucket_bytes(
-                    {p.device.type for p in trained}, shoal.local_size(),
+                    {p.device.type for p in trained}, self._comm.world.local_size,
                     torch.get_num_threads(), len(os.sched_getaffinity(0)),
                     cfg.fusion_threshold)
-            self._buckets = Buckets(trained, self._names, bucket_bytes, compression, op,
-                                    gradient_predivide_factor)
+            self._buckets = Buckets(trained, self._names, bucket_bytes, compression,
+                                    op, gradient_predivide_factor, process_set, sparse_as_dense)
         for p in trained:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
 
@@ -129,7 +136,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Fail now, on every rank, if ranks hold different models (not later, in a hang)."""
         mine = [(name, tuple(p.shape), str(p.dtype), p.requires_grad)
                 for p, name in self._names.items()]
-        everyone = shoal.allgather_object(mine, name="shoal.torch.optimizer.check")
+        everyone = self._comm.allgather_object(mine, name="shoal.torch.optimizer.check")
         for rank, theirs in enumerate(everyone):
             if theirs != mine:
                 diff = next(((a, b) for a, b in zip(mine, theirs, strict=False) if a != b),

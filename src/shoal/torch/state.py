@@ -7,9 +7,7 @@ from typing import Any
 
 import torch
 
-import shoal
-
-from .ops import broadcast_async_
+from .ops import _comm, broadcast_async_
 
 __all__ = [
     "allgather_object",
@@ -20,7 +18,7 @@ __all__ = [
 
 
 def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[tuple[str, Any]],
-                         root_rank: int = 0) -> None:
+                         root_rank: int = 0, process_set: Any = None) -> None:
     """Overwrite parameters (a ``state_dict()`` or ``named_parameters()``) with the root's,
     in place; all tensors travel at once."""
     items = params.items() if isinstance(params, Mapping) else params
@@ -29,23 +27,28 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[tuple[str
         if p is None or not isinstance(p, torch.Tensor):
             continue
         tensor = p.data if isinstance(p, torch.nn.Parameter) else p
-        handles.append(broadcast_async_(tensor, root_rank, name=f"bcast.param.{name}"))
+        handles.append(broadcast_async_(tensor, root_rank, name=f"bcast.param.{name}",
+                                        process_set=process_set))
     for h in handles:
         h.wait()
 
 
-def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0) -> None:
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0,
+                              process_set: Any = None) -> None:
     """Make every rank's optimizer state (moments, steps, hyper-parameters) the root's."""
     state = broadcast_object(optimizer.state_dict(), root_rank,
-                             name="shoal.torch.optimizer_state")
+                             name="shoal.torch.optimizer_state", process_set=process_set)
     optimizer.load_state_dict(state)
 
 
-def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> Any:
-    """Send a picklable object (tensors included) from ``root_rank`` to every rank."""
-    return shoal.broadcast_object(obj, root_rank, name=name)
+def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
+                     process_set: Any = None) -> Any:
+    """Send a picklable object (tensors included) from global rank ``root_rank`` to every
+    rank of the process set."""
+    root = root_rank if process_set is None else process_set.local_rank_of(root_rank)
+    return _comm(process_set).broadcast_object(obj, root, name=name)
 
 
-def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
+def allgather_object(obj: Any, name: str | None = None, process_set: Any = None) -> list[Any]:
     """Every rank's picklable object, in rank order."""
-    return shoal.allgather_object(obj, name=name)
+    return _comm(process_set).allgather_object(obj, name=name)

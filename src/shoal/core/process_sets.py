@@ -1,0 +1,177 @@
+"""Horovod's process sets, written once for every adapter: each a sub-communicator of the
+default one.
+
+Every rank calls :func:`add_process_set` (or passes ``process_sets=`` to ``init``) with the same
+ranks, so ids agree everywhere; the members build a communicator over those ranks
+(:meth:`~shoal.core.communicator.Communicator.split`), with its own engine, so collectives of
+disjoint sets run at once. As in Horovod, ranks given to collectives (``root_rank``) stay
+*global* ranks; :meth:`ProcessSet.rank` is the rank inside the set.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from .errors import NotInitializedError, ShoalError
+
+if TYPE_CHECKING:
+    from .communicator import Communicator
+
+__all__ = ["ProcessSet", "add_process_set", "communicator_for", "global_process_set",
+           "process_set_ids", "remove_process_set"]
+
+_lock = threading.RLock()
+_sets: dict[int, ProcessSet] = {}
+_state: dict[str, Any] = {"world": None, "next": 1}
+
+
+class ProcessSet:
+    """A set of global ranks that run collectives together; registered by
+    :func:`add_process_set` (then ``process_set_id`` is set)."""
+
+    def __init__(self, ranks: Iterable[int]) -> None:
+        ranks = sorted(ranks)
+        if any(not isinstance(r, int) for r in ranks):
+            raise ValueError("a ProcessSet is made from a list of integer ranks")
+        self.ranks: list[int] = ranks
+        self.process_set_id: int | None = None
+        self.comm: Communicator | None = None
+
+    def included(self) -> bool | None:
+        """Whether this process belongs to the set (None before ``init``)."""
+        world = _state["world"]
+        if world is None:
+            return None
+        return world.rank in self._members(world)
+
+    def _members(self, world: Communicator) -> list[int]:
+        return self.ranks if self.ranks or self is not global_process_set \
+            else list(range(world.size))
+
+    def size(self) -> int | None:
+        """Number of ranks in the set (None while it is not registered)."""
+        if self.process_set_id is None or _state["world"] is None:
+            return None
+        return len(self._members(_state["world"]))
+
+    def rank(self) -> int | None:
+        """This process's rank inside the set (None if not registered or not a member)."""
+        world = _state["world"]
+        if self.process_set_id is None or world is None:
+            return None
+        members = self._members(world)
+        return members.index(world.rank) if world.rank in members else None
+
+    def global_rank(self, local: int) -> int:
+        """The global rank of the set's rank ``local``."""
+        return self._members(_state["world"])[local]
+
+    def local_rank_of(self, global_rank: int, what: str = "root_rank") -> int:
+        """The set's rank of global rank ``global_rank`` (ValueError if not a member)."""
+        members = self._members(_state["world"])
+        if global_rank not in members:
+            raise ValueError(f"{what} {global_rank} is not a member of {self}")
+        return members.index(global_rank)
+
+    def __repr__(self) -> str:
+        return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks})"
+
+
+global_process_set = ProcessSet([])
+global_process_set.process_set_id = 0
+
+
+def bind(world: Communicator, static: Sequence[ProcessSet | Sequence[int]] = ()) -> None:
+    """Called by ``init()``: the global set is the new default communicator; ``static`` sets
+    are registered at once (every rank passes the same list)."""
+    with _lock:
+        _state.update(world=world, next=1)
+        _sets.clear()
+        global_process_set.comm = world
+        global_process_set.ranks = list(range(world.size))
+        _sets[0] = global_process_set
+        for ps in static:
+            add_process_set(ps)
+
+
+def unbind() -> None:
+    """Called by ``shutdown()``: close every set's communicator and invalidate the sets."""
+    with _lock:
+        for pid, ps in list(_sets.items()):
+            if pid != 0 and ps.comm is not None:
+                ps.comm.close()
+            ps.comm = None
+            if pid != 0:
+                ps.process_set_id = None
+        _sets.clear()
+        global_process_set.comm = None
+        _state["world"] = None
+
+
+def _world() -> Communicator:
+    world = _state["world"]
+    if world is None:
+        raise NotInitializedError("shoal is not initialized: call init() first")
+    return world
+
+
+def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
+    """Register a process set (every rank calls this, with the same ranks); returns it with
+    its id set. Members build its communicator now."""
+    ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
+    with _lock:
+        world = _world()
+        bad = [r for r in ps.ranks if not 0 <= r < world.size]
+        if bad or len(set(ps.ranks)) != len(ps.ranks) or not ps.ranks:
+            raise ValueError(f"rank {world.rank}: process set ranks {ps.ranks} must be distinct "
+                             f"ranks of the job (0..{world.size - 1})")
+        if any(other.ranks == ps.ranks for other in _sets.values()):
+            raise ValueError(f"rank {world.rank}: a process set with ranks {ps.ranks} exists "
+                             f"already; reuse it or remove it first")
+        ps.process_set_id = _state["next"]
+        _state["next"] += 1
+        ps.comm = world.split(ps.ranks)
+        _sets[ps.process_set_id] = ps
+        return ps
+
+
+def remove_process_set(process_set: ProcessSet) -> bool:
+    """Unregister a set and close its communicator; False if it was not registered (the
+    global set cannot be removed)."""
+    with _lock:
+        pid = process_set.process_set_id
+        if pid in (None, 0) or _sets.get(pid) is not process_set:
+            return False
+        del _sets[pid]
+        if process_set.comm is not None:
+            process_set.comm.close()
+        process_set.comm = None
+        process_set.process_set_id = None
+        return True
+
+
+def process_set_ids() -> list[int]:
+    """The ids of the registered sets, the global one (0) included."""
+    with _lock:
+        return sorted(_sets)
+
+
+def communicator_for(process_set: ProcessSet | None) -> Communicator:
+    """The communicator a collective on ``process_set`` runs on (the default one for None
+    or the global set); a clear error when this rank is not a member or the set is not
+    registered."""
+    world = _world()
+    if process_set is None or process_set is global_process_set:
+        return world
+    if not isinstance(process_set, ProcessSet):
+        raise TypeError(f"process_set must be a ProcessSet, not {type(process_set).__name__}")
+    if process_set.process_set_id is None or _sets.get(process_set.process_set_id) is not \
+            process_set:
+        raise ValueError(f"rank {world.rank}: {process_set} is not registered; call "
+                         f"add_process_set() on every rank first")
+    if process_set.comm is None:
+        raise ShoalError(f"rank {world.rank} is not a member of {process_set}; only its "
+                         f"members may run collectives on it")
+    return process_set.comm
