@@ -48,7 +48,8 @@ _BOOL = {"MIN": np.logical_and, "MAX": np.logical_or, "PRODUCT": np.logical_and}
 
 def reference(inputs: list[np.ndarray], op: str, dtype: str) -> np.ndarray:
     """What an allreduce of ``inputs`` must produce: floats reduced in float64 and rounded
-    once, integers in their own width (wrapping), integer averages floor-divided."""
+    once, integers in their own width (wrapping), integer averages truncated toward zero (as
+    Horovod's)."""
     n = len(inputs)
     floats = dtype in FLOATS
     fn = _BOOL[op] if dtype == "bool" else _UFUNC[op]
@@ -57,7 +58,7 @@ def reference(inputs: list[np.ndarray], op: str, dtype: str) -> np.ndarray:
     for x in values[1:]:
         acc = fn(acc, x)
     if op == "AVERAGE":
-        acc = acc / n if floats else acc // n
+        acc = acc / n if floats else np.where(acc < 0, -((-acc) // n), acc // n)
     return acc.astype(dtype_of(dtype)) if floats else acc
 
 

@@ -49,7 +49,8 @@ def _collectives(rank: int) -> dict:
         mine = tf.constant(_data(rank, i, shape, dtype))
         every = np.stack([_data(r, i, shape, dtype) for r in range(n)])
         got = hvd.allreduce(mine).numpy()
-        want = every.sum(0) // n if dtype == "int32" else every.mean(0)
+        total = every.sum(0)
+        want = np.trunc(total / n).astype(total.dtype) if dtype == "int32" else every.mean(0)
         np.testing.assert_allclose(got, want, rtol=1e-6)
         for op_name, ref in _REFS.items():
             if op_name == "Product" and dtype != "float64":

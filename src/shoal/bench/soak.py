@@ -56,8 +56,8 @@ def _reference(inputs: list[np.ndarray], op: str, dtype: str) -> np.ndarray:
         return (wide.min(0) if op in ("Min", "Product") else wide.max(0)).astype(bool)
     ref = {"Sum": wide.sum(0), "Average": wide.mean(0), "Min": wide.min(0),
            "Max": wide.max(0), "Product": wide.prod(0)}[op]
-    if op == "Average" and dtype.startswith(("int", "uint")):
-        ref = np.floor_divide(wide.sum(0), len(inputs))
+    if op == "Average" and dtype.startswith(("int", "uint")):  # truncated, as Horovod's
+        ref = np.trunc(wide.sum(0) / len(inputs))
     return ref
 
 

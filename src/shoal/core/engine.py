@@ -281,7 +281,8 @@ class Engine:
         runnable = [mine[name] if name in mine else self._neutral(name) for name in order]
         with self._cv:
             for req in runnable:
-                del self._pending[req.name]
+                if mine.get(req.name) is req:  # not a joined rank's neutral stand-in
+                    del self._pending[req.name]
             failed = [self._pending.pop(name) for name in refused if name in self._pending]
             self._inflight = runnable  # failed by _fail if the collectives below fail
         for req in failed:  # found before any data moved: this engine carries on
@@ -351,9 +352,9 @@ class Engine:
                 fresh.append(name)
             else:
                 ready.append(name)
-                self._cache[name] = (cached[0], descs[0])  # every rank changed it: adopt
+                self._cache[name] = (cached[0], descs[active[0]])  # all changed it: adopt
         for name in sorted(fresh):
-            self._cache[name] = (len(self._by_id), present[name][0])
+            self._cache[name] = (len(self._by_id), present[name][active[0]])
             self._by_id.append(name)
         ready += fresh
         if joined and ready:  # joined ranks take part in allreduces only (Horovod's join)

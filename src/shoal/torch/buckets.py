@@ -81,6 +81,7 @@ class Buckets:
         self._comm = _comm(process_set)
         self._sparse_as_dense = sparse_as_dense
         self._sparse: dict[torch.nn.Parameter, Any] = {}  # sparse gradients in flight
+        self._densified: set[torch.nn.Parameter] = set()  # sparse ones reduced as dense
         self._names = names
         self._bucket_bytes = max(1, int(bucket_bytes))
         self._compression = wire_codec(compression)
@@ -151,8 +152,9 @@ class Buckets:
             self._sparse[p] = sparse_allreduce_async(grad, f"grad.sparse.{self._names[p]}",
                                                      self._op, self._process_set)
             view.zero_()
-        elif grad.is_sparse:
+        elif grad.is_sparse:  # sparse_as_dense: reduced dense, handed back sparse
             view.copy_(grad.to_dense())
+            self._densified.add(p)
         elif grad.data_ptr() != view.data_ptr():
             view.copy_(grad)
         b.marks.add(j)
@@ -210,7 +212,10 @@ class Buckets:
             for j, p in enumerate(b.params):
                 if p in self._sparse:
                     continue
-                if p.grad is None or p.grad.data_ptr() != b.views[j].data_ptr():
+                if p in self._densified:
+                    p.grad = b.views[j].to_sparse()
+                elif p.grad is None or p.grad.is_sparse or \
+                        p.grad.data_ptr() != b.views[j].data_ptr():
                     p.grad = b.views[j]
         for p, result in self._sparse.items():
             try:
@@ -218,6 +223,7 @@ class Buckets:
             except BaseException as exc:
                 error = error or exc
         self._sparse.clear()
+        self._densified.clear()
         if error is not None:
             raise error
         self._settle_order()
@@ -238,7 +244,7 @@ class Buckets:
             grads = {p: p.grad for p in self._params}
             self._build(order)
             for p, g in grads.items():  # keep the reduced values, now in the new buffers
-                if g is not None:
+                if g is not None and not g.is_sparse:
                     b, j = self._where[p]
                     b.views[j].copy_(g)
                     p.grad = b.views[j]

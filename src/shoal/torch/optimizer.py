@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
+import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -71,8 +72,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # fuses by bucket (bucket_bytes), so they are accepted and need no action
         self.backward_passes_per_step = backward_passes_per_step
         self.op, self.process_set, self.sparse_as_dense = op, process_set, sparse_as_dense
-        self._comm = _comm(process_set)
+
         self._names = self._name_parameters(named_parameters)
+        self._parameter_names = self._names  # Horovod's attribute
+        # a rank outside the process set steps on its own gradients, as in Horovod
+        member = process_set is None or process_set.included()
+        self._comm = _comm(process_set) if member else None
         self._counts: dict[torch.nn.Parameter, int] = {}
         self._synchronized = False
         self._skip = False
@@ -82,7 +87,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # alone, every reduction is the identity: no buckets; gradients are counted (for the
         # same errors as with peers) and left where backward put them, as Horovod does
         self._buckets: Buckets | None = None
-        if self._comm.size > 1:
+        if self._comm is not None and self._comm.size > 1:
             if bucket_bytes is None:
                 cfg = self._comm.cfg
                 bucket_bytes = cfg.bucket_bytes or auto_bucket_bytes(
@@ -134,6 +139,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _check_same_model_everywhere(self) -> None:
         """Fail now, on every rank, if ranks hold different models (not later, in a hang)."""
+        if self._comm is None:
+            return
         mine = [(name, tuple(p.shape), str(p.dtype), p.requires_grad)
                 for p, name in self._names.items()]
         everyone = self._comm.allgather_object(mine, name="shoal.torch.optimizer.check")
@@ -154,7 +161,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if self._buckets is not None:
                 self._buckets.arrived(p)
         elif count > self._passes:
-            raise RuntimeError(f"rank {shoal.rank()}: gradient of {self._names[p]} was computed "
+            raise RuntimeError(f"gradient of {self._names[p]} was computed "
                                f"again before step(); call optimizer.step() (or "
                                f"synchronize()) between backward passes, or raise "
                                f"backward_passes_per_step")
@@ -180,6 +187,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def step(self, closure: Any = None) -> Any:
         """Wait for the gradients still in flight, then run the wrapped optimizer's step."""
+        if self._synchronized and not self._skip:
+            warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
+                          "context after optimizer.synchronize(): the gradients are reduced "
+                          "again. Use `with optimizer.skip_synchronize(): optimizer.step()` "
+                          "after synchronize() (e.g. for gradient clipping).", stacklevel=2)
         if not (self._skip and self._synchronized):
             self.synchronize()
         self._synchronized = False
@@ -189,7 +201,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Clear gradients; refused while reductions are in flight (they would be lost)."""
         in_flight = self._buckets.in_flight if self._buckets is not None else 0
         if in_flight:
-            raise RuntimeError(f"rank {shoal.rank()}: zero_grad() called with "
+            raise RuntimeError(f"zero_grad() called with "
                                f"{in_flight} gradient buckets in flight; call "
                                f"step() or synchronize() first")
         self._inner.zero_grad(set_to_none=set_to_none)

@@ -34,8 +34,28 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[tuple[str
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0,
+                              model: torch.nn.Module | None = None,
                               process_set: Any = None) -> None:
-    """Make every rank's optimizer state (moments, steps, hyper-parameters) the root's."""
+    """Make every rank's optimizer state (moments, steps, hyper-parameters) the root's.
+
+    A new optimizer has no state yet; as Horovod does, it gets zero gradients (sparse ones
+    for ``SparseAdam`` and for sparse embeddings of ``model`` under SGD) and one step of the
+    wrapped optimizer, so that the state exists and has the same structure everywhere."""
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ValueError("cannot broadcast torch.optim.LBFGS state (its state is not a "
+                         "tensor structure); rebuild it on every rank instead")
+    inner = getattr(optimizer, "_inner", optimizer)  # the step of the wrapped optimizer only
+    if not inner.state_dict()["state"]:
+        sparse = {id(p) for m in (model.modules() if model is not None else ())
+                  if isinstance(m, torch.nn.Embedding) and m.sparse for p in m.parameters()}
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if p.requires_grad and p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                    if isinstance(inner, torch.optim.SparseAdam) or (
+                            isinstance(inner, torch.optim.SGD) and id(p) in sparse):
+                        p.grad = p.grad.to_sparse()
+        inner.step()
     state = broadcast_object(optimizer.state_dict(), root_rank,
                              name="shoal.torch.optimizer_state", process_set=process_set)
     optimizer.load_state_dict(state)
