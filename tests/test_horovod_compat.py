@@ -215,3 +215,12 @@ def _compression_sparse_optimizer(rank: int) -> str:
 @pytest.mark.parametrize("n", [2, 3])
 def test_compression_sparse_and_process_set_optimizer(n: int) -> None:
     assert run_ranks(_compression_sparse_optimizer, n, timeout=90) == ["ok"] * n
+
+
+def test_duplicate_parameter_names_are_refused_before_init() -> None:
+    import shoal.torch as hvd
+    a, b = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
+    opt = torch.optim.SGD([*a.parameters(), *b.parameters()], lr=0.1)
+    with pytest.raises(ValueError, match="appears twice"):
+        hvd.DistributedOptimizer(opt, named_parameters=[*a.named_parameters(),
+                                                        *b.named_parameters()])

@@ -126,9 +126,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if named is None:
             return {p: f"grad.param.{i}" for i, p in enumerate(params)}
         names: dict[torch.nn.Parameter, str] = {}
+        seen: set[str] = set()
         for name, p in named:
-            if name in names.values():
-                raise ValueError(f"parameter name {name!r} appears twice in named_parameters")
+            if name in seen:
+                raise ValueError(f"parameter name {name!r} appears twice in named_parameters; "
+                                 f"names must be unique (they name the reductions)")
+            seen.add(name)
             names[p] = f"grad.{name}"
         missing = [i for i, p in enumerate(params) if p not in names]
         if missing:
