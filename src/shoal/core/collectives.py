@@ -214,21 +214,37 @@ class Collectives:
                             _wake: bool = True) -> Handle:
         """Start :meth:`reducescatter`; the handle resolves to this rank's block."""
         engine = self.engine
+        op = ReduceOp(op)
+        name = self._auto_name("reducescatter", name)
         if getattr(array, "ndim", 1) == 0:
             raise ValueError(f"rank {engine.rank}: reducescatter tensor {name!r} is a scalar; "
                              f"it needs at least one dimension to scatter")
-        if ReduceOp(op) not in (ReduceOp.SUM, ReduceOp.AVERAGE, ReduceOp.MIN, ReduceOp.MAX,
-                                ReduceOp.PRODUCT):
+        if op not in (ReduceOp.SUM, ReduceOp.AVERAGE, ReduceOp.MIN, ReduceOp.MAX,
+                      ReduceOp.PRODUCT):
             raise NotImplementedError(f"rank {engine.rank}: reducescatter does not support op "
-                             f"{ReduceOp(op).name}")
-        base, extra = divmod(array.shape[0], engine.size)
-        start = engine.rank * base + min(engine.rank, extra)
-        stop = start + base + (engine.rank < extra)
-        handle = self.allreduce_async(array, op, name=self._auto_name("reducescatter", name),
-                                      bf16=bf16, prescale_factor=prescale_factor,
-                                      postscale_factor=postscale_factor, _wake=_wake)
-        return Handle(engine, handle._future,
-                      lambda _r: handle.wait()[start:stop].copy())
+                                      f"{op.name}; use Sum, Average, Min, Max or Product")
+        dtype = check_array(array, f"reducescatter tensor {name!r}", engine.rank, op, bf16)
+        rows, n = array.shape[0], engine.size
+        row = int(np.prod(array.shape[1:], dtype=np.int64))
+        base, extra = divmod(rows, n)
+        starts = [r * base + min(r, extra) for r in range(n + 1)]
+        bounds = [s * row for s in starts]
+        me = engine.rank
+        out = np.empty((starts[me + 1] - starts[me], *array.shape[1:]), array.dtype)
+        src = _storage(array, dtype)
+        if prescale_factor != 1.0:
+            src = src.copy()
+            scale(src, prescale_factor, dtype)
+        dst = _storage(out, dtype)
+        desc = (f"reducescatter shape={_shape(array)} dtype={dtype} "
+                f"op={op.name.capitalize()}")
+        req = Request(Kind.REDUCESCATTER, name, src, dst, dtype, desc, op=op, extra=bounds)
+        then = None
+        if postscale_factor != 1.0:
+            def then(result: np.ndarray) -> np.ndarray:
+                scale(dst, postscale_factor, dtype)
+                return result
+        return self._chain(req, out, _wake, then)
 
     def reducescatter(self, array: np.ndarray, op: ReduceOp = ReduceOp.AVERAGE,
                       name: str | None = None, **kwargs: Any) -> np.ndarray:

@@ -56,6 +56,7 @@ class Kind(enum.Enum):
     ALLGATHER = "allgather"
     BROADCAST = "broadcast"
     ALLTOALL = "alltoall"
+    REDUCESCATTER = "reducescatter"
     JOIN = "join"
 
 
@@ -357,13 +358,20 @@ class Engine:
             self._cache[name] = (len(self._by_id), present[name][active[0]])
             self._by_id.append(name)
         ready += fresh
-        if joined and ready:  # joined ranks take part in allreduces only (Horovod's join)
-            for name in [nm for nm in ready if not self._cache[nm][1].startswith("allreduce")]:
-                ready.remove(name)
+        if joined:  # joined ranks take part in allreduces only (Horovod's join): any other
+            # collective a rank proposes fails at once, whether or not the others proposed it
+            proposed = {self._by_id[i]: self._cache[self._by_id[i]][1]
+                        for i in np.flatnonzero(bits.any(axis=0))} if n_cached else {}
+            proposed.update({nm: next(iter(d.values())) for nm, d in present.items()})
+            for name, desc in proposed.items():
+                if desc.startswith("allreduce"):
+                    continue
+                if name in ready:
+                    ready.remove(name)
                 refused[name] = CollectiveMismatchError(
-                    f"rank {self.rank}: {name!r} ({self._cache[name][1].split()[0]}) cannot run "
-                    f"while ranks {joined} have joined; only allreduce takes neutral "
-                    f"contributions from joined ranks")
+                    f"rank {self.rank}: {name!r} ({desc.split()[0]}) cannot run while ranks "
+                    f"{joined} have joined; only allreduce takes neutral contributions from "
+                    f"joined ranks")
         if not ready and all(stuck) and not refused:
             # every rank has waited stall_warning_s on collectives no other rank will match
             # (different names, or different collectives): a mismatch, not a hang
@@ -495,6 +503,9 @@ class Engine:
                 np.copyto(req.out, req.array)
             comm.broadcast(req.out, req.root, what)
             result: Any = req.out if req.result is None else req.result
+        elif req.kind is Kind.REDUCESCATTER:
+            comm.reducescatter(req.array, req.out, req.extra, req.op, req.dtype, what)
+            result = req.out if req.result is None else req.result
         elif req.kind is Kind.ALLGATHER:
             rows = [int(extra[r]) for r in range(self.size)]
             out = np.empty((sum(rows), *req.trailing), req.array.dtype)

@@ -355,6 +355,41 @@ class ShmGroup:
             plo, phi = self.part(m, p)
             dst[plo:phi] = views[p][plo:phi]
 
+    def reducescatter(self, src: np.ndarray, dst: np.ndarray, bounds: Sequence[int],
+                      reduce: Callable[..., None], what: str = "reducescatter") -> None:
+        """Reduce the flat ``src`` (equal size on every rank) and keep only this rank's block
+        ``src[bounds[me]:bounds[me + 1]]`` of the result, in ``dst``.
+
+        Each rank moves (n-1)/n of its data: in step k it writes, for every peer, the k-th
+        piece of *that peer's* block into a sub-slot of its own segment, and reduces the k-th
+        piece of its own block from the peers' sub-slots and its own source straight into
+        ``dst`` (no copy-in of its own part, no copy-out of the others'). Every rank works
+        on its own block in every step, so the reduction runs on all cores at once.
+        """
+        me, n = self.me, self.n
+        sizes = [bounds[p + 1] - bounds[p] for p in range(n)]
+        step = max(1, self.chunk_bytes // (n * src.itemsize))  # one sub-slot per peer
+        for k in range(0, max(sizes), step):
+            self.seq += 1
+            seq = self.seq
+            slots = [slot[seq % 2] for slot in self._slots]
+            mine = slots[me]
+            for p in self._peers:  # what peer p needs from this rank, at sub-slot p
+                lo, hi = bounds[p] + min(k, sizes[p]), bounds[p] + min(k + step, sizes[p])
+                if hi > lo:
+                    off = p * step * src.itemsize
+                    mine[off:off + (hi - lo) * src.itemsize].view(src.dtype)[:] = src[lo:hi]
+            self._hdr[me][_ARRIVE] = seq
+            self._wait(_ARRIVE, seq, what)
+            lo, hi = min(k, sizes[me]), min(k + step, sizes[me])
+            if hi > lo:
+                off = me * step * src.itemsize
+                peers = [slots[p][off:off + (hi - lo) * src.itemsize].view(src.dtype)
+                         for p in self._peers]
+                reduce(dst[lo:hi], peers, first=src[bounds[me] + lo:bounds[me] + hi])
+            self._hdr[me][_REDUCED] = seq
+            self._wait(_REDUCED, seq, what)
+
     def close(self) -> None:
         """Unmap the segments (they were unlinked at set-up)."""
         self._hdr = []
