@@ -13,6 +13,7 @@ _BENCH = {
     "allreduce": "float32 allreduce, shoal vs torch gloo vs Open MPI vs memcpy",
     "exchange": "a real model's gradient exchange, shoal vs gloo vs Horovod",
     "cluster": "allreduce across emulated nodes on a shaped link (root)",
+    "collectives": "reducescatter and allgather vs allreduce and gloo",
     "train": "end-to-end EfficientNet throughput, shoal vs DDP (source checkout)",
     "soak": "many mixed collectives checked against numpy: mismatches, memory, cache size",
     "faults": "inject kill -9, SIGSTOP, a cut link, strangers, mismatches; record detection",

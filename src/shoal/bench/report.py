@@ -265,6 +265,10 @@ def build(folder: str) -> str:
             continue
         first = first or data
         lines += section(data, plots) if name == "allreduce" else section(data)
+    data = _load(folder, "collectives")
+    if data is not None:
+        from .collectives import section as collectives_section
+        lines += collectives_section(data)
     # train.json, then any train-*.json (further training comparisons), each its own section
     for path in sorted(glob.glob(os.path.join(folder, "train*.json")),
                        key=lambda p: (os.path.basename(p) != "train.json", p)):

@@ -70,13 +70,21 @@ class Collectives:
     """Collective operations over ``self.engine`` (provided by the communicator)."""
 
     engine: Engine
-    _counter: int
+    _counter: int = 0
+    _epoch: int = 0
 
     def _auto_name(self, kind: str, name: str | None) -> str:
+        """Unnamed collectives are numbered in call order (the same on every rank that makes
+        the same calls); after ranks were found diverged the numbering restarts everywhere,
+        so a caught error does not leave later unnamed calls unmatched."""
         if name:
             return name
+        epoch = self.engine.epoch
+        if epoch != self._epoch:
+            self._epoch, self._counter = epoch, 0
         self._counter += 1
-        return f"{kind}.noname.{self._counter}"
+        return f"{kind}.noname.{epoch}.{self._counter}" if epoch else \
+            f"{kind}.noname.{self._counter}"
 
     def _chain(self, req: Request, result: Any, wake: bool,
                then: Callable[[Any], Any] | None = None) -> Handle:

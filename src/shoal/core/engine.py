@@ -120,6 +120,7 @@ class Engine:
         self._stopping = False
         self._buffers = 0
         self.rounds = 0
+        self.epoch = 0  # bumped (on every rank alike) when ranks were found diverged
         self._join: Request | None = None  # this rank's join() in progress
         self._join_seen: dict[int, int] = {}  # rank -> round it was first seen joined
         self._thread = threading.Thread(target=self._loop, name="shoal-engine", daemon=True)
@@ -387,6 +388,9 @@ class Engine:
                 + "\nevery rank must submit the same collectives (names and kinds)",
                 {r: ", ".join(names) for r, names in waiting.items()})
             refused = {req.name: error for req in reqs}
+            # ranks diverged: whatever numbering their unnamed collectives had is out of
+            # step, so every rank starts a new one (all in this same round)
+            self.epoch += 1
         self._touch(ready)
         runnable = set(ready)
         for req in reqs:
