@@ -368,23 +368,27 @@ class ShmGroup:
         """
         me, n = self.me, self.n
         sizes = [bounds[p + 1] - bounds[p] for p in range(n)]
-        step = max(1, self.chunk_bytes // (n * src.itemsize))  # one sub-slot per peer
+        item = src.itemsize
+        step = max(1, self.chunk_bytes // ((n - 1) * item))  # one sub-slot per peer
+
+        def sub(reader: int, writer: int) -> int:  # writer's sub-slot for reader's data
+            return (reader - (reader > writer)) * step * item
+
         for k in range(0, max(sizes), step):
             self.seq += 1
             seq = self.seq
             slots = [slot[seq % 2] for slot in self._slots]
             mine = slots[me]
-            for p in self._peers:  # what peer p needs from this rank, at sub-slot p
+            for p in self._peers:  # what peer p needs from this rank
                 lo, hi = bounds[p] + min(k, sizes[p]), bounds[p] + min(k + step, sizes[p])
                 if hi > lo:
-                    off = p * step * src.itemsize
-                    mine[off:off + (hi - lo) * src.itemsize].view(src.dtype)[:] = src[lo:hi]
+                    off = sub(p, me)
+                    mine[off:off + (hi - lo) * item].view(src.dtype)[:] = src[lo:hi]
             self._hdr[me][_ARRIVE] = seq
             self._wait(_ARRIVE, seq, what)
             lo, hi = min(k, sizes[me]), min(k + step, sizes[me])
             if hi > lo:
-                off = me * step * src.itemsize
-                peers = [slots[p][off:off + (hi - lo) * src.itemsize].view(src.dtype)
+                peers = [slots[p][sub(me, p):sub(me, p) + (hi - lo) * item].view(src.dtype)
                          for p in self._peers]
                 reduce(dst[lo:hi], peers, first=src[bounds[me] + lo:bounds[me] + hi])
             self._hdr[me][_REDUCED] = seq
