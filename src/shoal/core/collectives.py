@@ -66,6 +66,18 @@ def _shape(array: np.ndarray) -> str:
     return "(" + ", ".join(map(str, array.shape)) + ")"
 
 
+def _postscale(dst: np.ndarray, factor: float,
+               dtype: str) -> Callable[[Any], Any] | None:
+    """The finishing step that scales a result in place (None when there is nothing to do)."""
+    if factor == 1.0:
+        return None
+
+    def then(result: Any) -> Any:
+        scale(dst, factor, dtype)
+        return result
+    return then
+
+
 class Collectives:
     """Collective operations over ``self.engine`` (provided by the communicator)."""
 
@@ -127,12 +139,7 @@ class Collectives:
             src = dst
         req = Request(Kind.ALLREDUCE, name, src, dst, dtype, desc, op=op, codec=compression,
                       fused=fused)
-        then = None
-        if postscale_factor != 1.0:
-            def then(result: np.ndarray) -> np.ndarray:
-                scale(dst, postscale_factor, dtype)
-                return result
-        return self._chain(req, out, _wake, then)
+        return self._chain(req, out, _wake, _postscale(dst, postscale_factor, dtype))
 
     def allreduce(self, array: np.ndarray, op: ReduceOp = ReduceOp.AVERAGE,
                   name: str | None = None, out: np.ndarray | None = None,
@@ -247,12 +254,7 @@ class Collectives:
         desc = (f"reducescatter shape={_shape(array)} dtype={dtype} "
                 f"op={op.name.capitalize()}")
         req = Request(Kind.REDUCESCATTER, name, src, dst, dtype, desc, op=op, extra=bounds)
-        then = None
-        if postscale_factor != 1.0:
-            def then(result: np.ndarray) -> np.ndarray:
-                scale(dst, postscale_factor, dtype)
-                return result
-        return self._chain(req, out, _wake, then)
+        return self._chain(req, out, _wake, _postscale(dst, postscale_factor, dtype))
 
     def reducescatter(self, array: np.ndarray, op: ReduceOp = ReduceOp.AVERAGE,
                       name: str | None = None, **kwargs: Any) -> np.ndarray:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..compression import Codec, storage_dtype
-from ..ops import ReduceOp, finalize, reduce_into
+from ..ops import ReduceOp, bf16_to_f32, f32_to_bf16, finalize, reduce_into
 from . import register
 from .doubling import doubling_allreduce
 from .ring import ring_allreduce
@@ -80,6 +80,27 @@ def _cross(comm: Communicator, group: Sequence[int], buf: np.ndarray, reduce, fi
                        block_bytes=comm.cfg.tcp_chunk_bytes, what=what)
 
 
+def _wide_cross(comm: Communicator, group: Sequence[int], buf: np.ndarray, wire: str,
+                op: ReduceOp, count: int, what: str) -> None:
+    """A half-precision sum across hosts travels and accumulates in float32 and is rounded
+    once at the end (an average divides by ``count`` first): partial sums never overflow or
+    round on the way. Used for tensors that *are* half precision; a float32 tensor sent as
+    fp16 by a compression codec keeps its halved wire (averages are pre-divided instead)."""
+    wide = bf16_to_f32(buf) if wire == "bfloat16" else buf.astype(np.float32)
+    finish = partial(finalize, op=op, count=count, dtype="float32") \
+        if op == ReduceOp.AVERAGE and count > 1 else None
+    _cross(comm, group, wide, partial(reduce_into, op=op, dtype="float32"), finish, what)
+    if wire == "bfloat16":
+        f32_to_bf16(wide, buf)
+    else:
+        np.copyto(buf, wide, casting="unsafe")
+
+
+def _native_half_sum(op: ReduceOp, dtype: str, wire: str) -> bool:
+    return dtype == wire and dtype in ("float16", "bfloat16") and op in (ReduceOp.SUM,
+                                                                         ReduceOp.AVERAGE)
+
+
 def _ring_over(comm: Communicator, group: Sequence[int], srcs, dsts, op, dtype, codec, what):
     wire = codec.wire_dtype(dtype)
     reduce = partial(reduce_into, op=op, dtype=wire)
@@ -90,10 +111,13 @@ def _ring_over(comm: Communicator, group: Sequence[int], srcs, dsts, op, dtype, 
     else:
         buf = _pack(srcs, storage_dtype(wire), codec)
     finish = _finisher(op, wire, comm.size)
-    if _half_average(op, wire) and finish is not None:
-        finish(buf)  # partial sums of x/n stay within the range of the result
-        finish = None
-    _cross(comm, group, buf, reduce, finish, what)
+    if _native_half_sum(op, dtype, wire):
+        _wide_cross(comm, group, buf, wire, op, comm.size, what)
+    else:
+        if _half_average(op, wire) and finish is not None:
+            finish(buf)  # partial sums of x/n stay within the range of the result
+            finish = None
+        _cross(comm, group, buf, reduce, finish, what)
     if buf is not dsts[0]:
         _unpack(buf, dsts, codec)
 
@@ -145,7 +169,10 @@ def hierarchical_allreduce(comm: Communicator, srcs, dsts, op: ReduceOp, dtype: 
         local, finish = partial(reduce_into, op=op, dtype=wire, divide_by=comm.size), None
 
     def cross(part: np.ndarray) -> None:
-        _cross(comm, group, part, reduce, None, what)
+        if _native_half_sum(op, dtype, wire):  # the host's share, widened across hosts
+            _wide_cross(comm, group, part, wire, ReduceOp.SUM, 1, what)
+        else:
+            _cross(comm, group, part, reduce, None, what)
 
     comm.shm.allreduce(srcs, dsts, storage_dtype(wire), local,
                        encode=codec.encode if wire != dtype else None,
