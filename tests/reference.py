@@ -58,7 +58,11 @@ def reference(inputs: list[np.ndarray], op: str, dtype: str) -> np.ndarray:
     for x in values[1:]:
         acc = fn(acc, x)
     if op == "AVERAGE":
-        acc = acc / n if floats else np.where(acc < 0, -((-acc) // n), acc // n)
+        if floats:
+            acc = acc / n
+        else:  # truncated toward zero, computed wide (negating -128 overflows int8)
+            wide = acc.astype(np.int64)
+            acc = np.where(wide < 0, -((-wide) // n), wide // n).astype(acc.dtype)
     return acc.astype(dtype_of(dtype)) if floats else acc
 
 
