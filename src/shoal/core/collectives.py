@@ -276,7 +276,7 @@ class Collectives:
     def broadcast_object(self, obj: Any, root_rank: int = 0, name: str | None = None) -> Any:
         """Send a picklable object from ``root_rank`` to every rank (peers are
         authenticated)."""
-        name = name or f"broadcast_object.{type(obj).__name__}"  # Horovod's default name
+        name = self._auto_name("broadcast_object", name)
         me = self.engine.rank
         payload = np.frombuffer(pickle.dumps(obj), np.uint8) if me == root_rank \
             else np.empty(0, np.uint8)
@@ -289,7 +289,7 @@ class Collectives:
 
     def allgather_object(self, obj: Any, name: str | None = None) -> list[Any]:
         """Every rank's picklable object, in rank order."""
-        name = name or f"allgather_object.{type(obj).__name__}"  # Horovod's default name
+        name = self._auto_name("allgather_object", name)
         payload = np.frombuffer(pickle.dumps(obj), np.uint8)
         lengths = self.allgather(np.array([payload.size], np.int64), name=f"{name}.len")
         data = self.allgather(payload, name=f"{name}.data")

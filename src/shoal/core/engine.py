@@ -388,8 +388,10 @@ class Engine:
                 + "\nevery rank must submit the same collectives (names and kinds)",
                 {r: ", ".join(names) for r, names in waiting.items()})
             refused = {req.name: error for req in reqs}
-            # ranks diverged: whatever numbering their unnamed collectives had is out of
-            # step, so every rank starts a new one (all in this same round)
+        if refused:
+            # ranks that diverged (or made calls another rank did not, as around join()) have
+            # their unnamed collectives numbered out of step: every rank starts a new
+            # numbering, all in this same round
             self.epoch += 1
         self._touch(ready)
         runnable = set(ready)
