@@ -56,6 +56,14 @@ def _collectives(rank: int) -> str:
             want = ref(torch.stack([_rand(case, r, (5, 7), dtype).double() for r in range(n)]))
             tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else {}
             close(t.double(), want.to(dtype).double(), **tol)
+    for name, fn in (("BAND", torch.bitwise_and), ("BOR", torch.bitwise_or),
+                     ("BXOR", torch.bitwise_xor)):
+        t = _rand(f"bit/{name}", rank, (9,), torch.int64)
+        dist.all_reduce(t, op=getattr(dist.ReduceOp, name))
+        want = _rand(f"bit/{name}", 0, (9,), torch.int64)
+        for r in range(1, n):
+            want = fn(want, _rand(f"bit/{name}", r, (9,), torch.int64))
+        assert torch.equal(t, want), name
     t = _rand("async", rank, (33,))
     fut = dist.all_reduce(t, async_op=True).get_future().then(lambda f: f.value()[0] * 2)
     want = torch.stack([_rand("async", r, (33,)) for r in range(n)]).sum(0)

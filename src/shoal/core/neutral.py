@@ -4,7 +4,8 @@ the other ranks still run (Horovod's join, for uneven data across ranks).
 A joined rank has no tensor of its own, so it builds one from the description every rank
 agreed on (kind, shape, dtype, op, compression) filled with the op's identity: 0 for Sum and
 Average (an average still divides by the full size, as Horovod's does), 1 for Product, the
-largest value for Min and the smallest for Max.
+largest value for Min and the smallest for Max, all bits set for BAND and none for BOR and
+BXOR.
 """
 
 from __future__ import annotations
@@ -40,9 +41,12 @@ def neutral_allreduce(shape: tuple[int, ...], dtype: str, op: ReduceOp) -> np.nd
         return f32_to_bf16(np.full(count, value, np.float32), np.empty(count, np.uint16))
     np_dtype = np.dtype(dtype)
     if np_dtype == np.bool_:
-        return np.full(count, op in (ReduceOp.MIN, ReduceOp.PRODUCT), bool)
+        return np.full(count, op in (ReduceOp.MIN, ReduceOp.PRODUCT, ReduceOp.BAND), bool)
     if op == ReduceOp.PRODUCT:
         return np.ones(count, np_dtype)
+    if op == ReduceOp.BAND:  # every bit set
+        return np.full(count, -1).astype(np_dtype) if np_dtype.kind == "i" else \
+            np.full(count, np.iinfo(np_dtype).max, np_dtype)
     if op in (ReduceOp.MIN, ReduceOp.MAX):
         info = np.finfo(np_dtype) if np_dtype.kind == "f" else np.iinfo(np_dtype)
         big = np.inf if np_dtype.kind == "f" else info.max

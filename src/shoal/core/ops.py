@@ -42,6 +42,9 @@ class ReduceOp(enum.IntEnum):
     MIN = 3
     MAX = 4
     PRODUCT = 5
+    BAND = 6  # bitwise, integers and bool only (torch.distributed's BAND/BOR/BXOR)
+    BOR = 7
+    BXOR = 8
 
 
 Average = ReduceOp.AVERAGE
@@ -109,9 +112,13 @@ def check_array(array: object, what: str, rank: int, op: ReduceOp | None = None,
     if op is not None:
         if op == ReduceOp.ADASUM:
             raise TypeError(f"rank {rank}: {what}: op Adasum is not supported; use Average or Sum")
-        if dtype == "bool" and op not in (ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT):
-            raise TypeError(f"rank {rank}: {what} is bool; only Min (and), Max (or) and "
-                            f"Product (and) make sense for it, not {op.name.capitalize()}")
+        if dtype == "bool" and op in (ReduceOp.SUM, ReduceOp.AVERAGE):
+            raise TypeError(f"rank {rank}: {what} is bool; only Min (and), Max (or), "
+                            f"Product (and) and the bitwise ops make sense for it, not "
+                            f"{op.name.capitalize()}")
+        if op in _BITWISE and dtype not in _INTEGRAL:
+            raise TypeError(f"rank {rank}: {what} has dtype {dtype}; bitwise op "
+                            f"{op.name} needs an integer or bool tensor")
     return dtype
 
 
@@ -147,8 +154,13 @@ _BINARY = {
     ReduceOp.MAX: np.maximum,
     ReduceOp.PRODUCT: np.multiply,
 }
+_BITWISE = {ReduceOp.BAND: np.bitwise_and, ReduceOp.BOR: np.bitwise_or,
+            ReduceOp.BXOR: np.bitwise_xor}
+_BINARY.update(_BITWISE)
 _BOOL = {ReduceOp.MIN: np.logical_and, ReduceOp.MAX: np.logical_or,
-         ReduceOp.PRODUCT: np.logical_and}
+         ReduceOp.PRODUCT: np.logical_and, ReduceOp.BAND: np.logical_and,
+         ReduceOp.BOR: np.logical_or, ReduceOp.BXOR: np.logical_xor}
+_INTEGRAL = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
 
 
 def _widen(x: np.ndarray, dtype: str) -> np.ndarray:

@@ -52,7 +52,10 @@ BACKEND = "shoal"
 _WINDOW = 1024  # distinct call slots per group: bounds the engine's name cache
 _OPS = {dist.ReduceOp.RedOpType.SUM: shoal.Sum, dist.ReduceOp.RedOpType.AVG: shoal.Average,
         dist.ReduceOp.RedOpType.MIN: shoal.Min, dist.ReduceOp.RedOpType.MAX: shoal.Max,
-        dist.ReduceOp.RedOpType.PRODUCT: shoal.Product}
+        dist.ReduceOp.RedOpType.PRODUCT: shoal.Product,
+        dist.ReduceOp.RedOpType.BAND: shoal.ReduceOp.BAND,
+        dist.ReduceOp.RedOpType.BOR: shoal.ReduceOp.BOR,
+        dist.ReduceOp.RedOpType.BXOR: shoal.ReduceOp.BXOR}
 _BOOL_OPS = {shoal.Sum: shoal.Max, shoal.Product: shoal.Min}  # c10d's bool semantics
 _RS = c10d.ReduceScatterOptions()  # c10d's defaults, never modified here
 _Tensors = list[torch.Tensor]
@@ -235,7 +238,7 @@ class ShoalProcessGroup(dist.ProcessGroup):
         kind = op.op if hasattr(op, "op") else op
         if kind not in _OPS:
             raise NotImplementedError(f"shoal backend: reduce op {kind} is not supported "
-                                      f"(use SUM, AVG, MIN, MAX or PRODUCT)")
+                                      f"(use SUM, AVG, MIN, MAX, PRODUCT, BAND, BOR or BXOR)")
         slot, names = self._names(len(tensors))
         staged, handles = [], []
         for i, (tensor, name) in enumerate(zip(tensors, names, strict=True)):
