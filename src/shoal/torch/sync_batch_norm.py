@@ -37,8 +37,8 @@ class _SyncBN(torch.autograd.Function):
                 bias: torch.Tensor | None, eps: float, name: str) -> tuple[torch.Tensor, ...]:
         dims = [0, *range(2, x.dim())]
         xf = x.float()
-        local = torch.cat([torch.tensor([x.numel() / x.shape[1]], dtype=torch.float64),
-                           xf.sum(dims).double(), (xf * xf).sum(dims).double()])
+        count = torch.tensor([x.numel() / x.shape[1]], dtype=torch.float64, device=x.device)
+        local = torch.cat([count, xf.sum(dims).double(), (xf * xf).sum(dims).double()])
         total = _allreduce_sum(local, f"{name}.fwd")
         c = x.shape[1]
         count, s, sq = total[0], total[1:1 + c], total[1 + c:]
