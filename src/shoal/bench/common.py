@@ -17,8 +17,8 @@ import numpy as np
 
 from .stats import stats
 
-__all__ = ["alternate", "free_port", "init_gloo", "machine", "run_job", "run_mpi_job",
-           "worst_over_ranks", "write_results"]
+__all__ = ["alternate", "free_port", "init_gloo", "load_results", "machine", "run_job",
+           "run_mpi_job", "worst_over_ranks", "write_results"]
 
 
 def free_port() -> int:
@@ -139,6 +139,15 @@ def machine() -> dict[str, str]:
                                         capture_output=True, text=True, timeout=5,
                                         check=False).stdout.strip() or "unknown"
     return info
+
+
+def load_results(folder: str, name: str) -> dict[str, Any] | None:
+    """``folder/name.json`` as written by :func:`write_results`, or None if it is absent."""
+    path = os.path.join(folder, f"{name}.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
 
 
 def write_results(path: str, payload: dict[str, Any]) -> None:

@@ -4,19 +4,11 @@
 
 from __future__ import annotations
 
-import json
-import os
 from typing import Any
 
+from .common import load_results
+
 __all__ = ["build"]
-
-
-def _load(folder: str, name: str) -> dict[str, Any] | None:
-    path = os.path.join(folder, f"{name}.json")
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
 
 
 def _cell(text: str) -> str:
@@ -71,7 +63,7 @@ def _soak(data: dict[str, Any]) -> list[str]:
 
 def build(folder: str) -> str | None:
     """The Markdown of RELIABILITY.md, or None when neither results file exists."""
-    faults, soak = _load(folder, "faults"), _load(folder, "soak")
+    faults, soak = load_results(folder, "faults"), load_results(folder, "soak")
     if faults is None and soak is None:
         return None
     lines = ["# Reliability", "",

@@ -10,10 +10,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import glob
-import json
 import os
 from typing import Any
 
+from .common import load_results
 from .reliability import build as build_reliability
 from .stats import human_bytes
 from .train import BACKENDS as _TRAIN_ORDER
@@ -25,14 +25,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of ``shoal bench report``."""
     p.add_argument("--results", default="benchmarks", help="folder of result JSON files")
     p.add_argument("--out", default="BENCHMARKS.md")
-
-
-def _load(folder: str, name: str) -> dict[str, Any] | None:
-    path = os.path.join(folder, f"{name}.json")
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
 
 
 def _machine(data: dict[str, Any]) -> str:
@@ -260,12 +252,12 @@ def build(folder: str) -> str:
     first = None
     for name, section in (("allreduce", _allreduce_section), ("exchange", _exchange_section),
                           ("cluster", _cluster_section)):
-        data = _load(folder, name)
+        data = load_results(folder, name)
         if data is None:
             continue
         first = first or data
         lines += section(data, plots) if name == "allreduce" else section(data)
-    data = _load(folder, "collectives")
+    data = load_results(folder, "collectives")
     if data is not None:
         from .collectives import section as collectives_section
         lines += collectives_section(data)
@@ -273,7 +265,7 @@ def build(folder: str) -> str:
     for path in sorted(glob.glob(os.path.join(folder, "train*.json")),
                        key=lambda p: (os.path.basename(p) != "train.json", p)):
         name = os.path.splitext(os.path.basename(path))[0]
-        data = _load(folder, name)
+        data = load_results(folder, name)
         first = first or data
         lines += _train_section(data, plots, name)
     for path in sorted(glob.glob(os.path.join(folder, "*.txt"))):

@@ -128,19 +128,18 @@ def init(*, rank: int | None = None, size: int | None = None, local_rank: int | 
 
 def _join(info: topology.LaunchInfo, cfg: config.Config, serving: bool,
           prefix: str) -> Communicator:
+    """Meet at the store (served here when ``serving``) and build the communicator; the
+    communicator closes the client (then the server) when it closes."""
     key = secret_bytes(info.secret)
-    server = None
+    closers: list[Callable[[], None]] = []  # run in order: client first, then server
     if serving:
         bind = cfg.bind_addr or info.rendezvous_addr
-        server = StoreServer(key, host=bind, port=info.rendezvous_port).start()
-    closers: list[Callable[[], None]] = []
+        closers.append(StoreServer(key, host=bind, port=info.rendezvous_port).start().close)
     try:
         store = StoreClient(info.rendezvous_addr, info.rendezvous_port, key,
                             timeout=cfg.start_timeout_s, connect_timeout=cfg.start_timeout_s,
                             rank=info.rank)
-        closers.append(store.close)
-        if server is not None:
-            closers.append(server.close)
+        closers.insert(0, store.close)
         bind = cfg.bind_addr or local_address(info.rendezvous_addr, info.rendezvous_port)
         return Communicator.create(PrefixStore(store, prefix), info.rank, info.size, cfg=cfg,
                                    hostname=info.hostname, secret=info.secret,
@@ -148,8 +147,6 @@ def _join(info: topology.LaunchInfo, cfg: config.Config, serving: bool,
     except BaseException:
         for release in closers:
             release()
-        if server is not None:
-            server.close()
         raise
 
 

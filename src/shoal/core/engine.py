@@ -24,6 +24,7 @@ from __future__ import annotations
 import enum
 import json
 import logging
+import math
 import struct
 import threading
 import time
@@ -114,7 +115,8 @@ class Engine:
         self._inflight: list[Request] = []
         self._cache: dict[str, tuple[int, str]] = {}  # name -> (id, desc), same on all ranks
         self._by_id: list[str] = []
-        self._used: dict[str, int] = {}  # name -> round it last ran in (same on all ranks)
+        # per cache id: the round the name last ran in (same on all ranks), for eviction
+        self._last = np.zeros(0, np.int64)
         self._run = threading.Lock()
         self._broken: BaseException | None = None
         self._stopping = False
@@ -255,7 +257,9 @@ class Engine:
     def _proposal(self, reqs: Sequence[Request]) -> bytes:
         bits = np.zeros(len(self._by_id), bool)
         new = []
+        oldest = math.inf  # when the longest-waiting request was submitted
         for req in reqs:
+            oldest = min(oldest, req.enqueued)
             cached = self._cache.get(req.name)
             if cached is not None and cached[1] == req.desc and req.kind not in _PER_CALL:
                 bits[cached[0]] = True
@@ -263,9 +267,7 @@ class Engine:
                 new.append([req.name, req.desc, req.extra])
         packed = np.packbits(bits).tobytes()
         tail = json.dumps(new).encode() if new else b"[]"
-        now = time.perf_counter()
-        flags = _STUCK if reqs and now - min(r.enqueued for r in reqs) > \
-            self.cfg.stall_warning_s else 0
+        flags = _STUCK if oldest < time.perf_counter() - self.cfg.stall_warning_s else 0
         if self._join is not None:
             flags |= _JOINED
         return _HEAD.pack(len(packed), len(self._by_id), flags) + packed + tail
@@ -314,9 +316,9 @@ class Engine:
             nbytes, _, _ = _HEAD.unpack_from(blobs[0])
             mask = np.unpackbits(np.frombuffer(blobs[0], np.uint8, nbytes, _HEAD.size),
                                  count=n_cached)
-            order = [self._by_id[i] for i in np.flatnonzero(mask)]
-            self._touch(order)
-            return order, {}, {}
+            ids = np.flatnonzero(mask)
+            self._last[ids] = self.rounds  # vectorised: no per-tensor Python in steady state
+            return [self._by_id[i] for i in ids], {}, {}
         bits = np.zeros((self.size, n_cached), bool)
         present: dict[str, dict[int, str]] = {}
         extras: dict[str, dict[int, Any]] = {}
@@ -358,6 +360,8 @@ class Engine:
         for name in sorted(fresh):
             self._cache[name] = (len(self._by_id), present[name][active[0]])
             self._by_id.append(name)
+        if fresh:
+            self._last = np.concatenate([self._last, np.zeros(len(fresh), np.int64)])
         ready += fresh
         if joined:  # joined ranks take part in allreduces only (Horovod's join): any other
             # collective a rank proposes fails at once, whether or not the others proposed it
@@ -393,7 +397,7 @@ class Engine:
             # their unnamed collectives numbered out of step: every rank starts a new
             # numbering, all in this same round
             self.epoch += 1
-        self._touch(ready)
+        self._last[[self._cache[nm][0] for nm in ready]] = self.rounds
         runnable = set(ready)
         for req in reqs:
             if req.name not in runnable:
@@ -439,12 +443,6 @@ class Engine:
         return True
 
     # -- the bounded name cache ------------------------------------------------------------
-    def _touch(self, names: Sequence[str]) -> None:
-        """Mark ``names`` used in this round (rounds are numbered alike on every rank)."""
-        used = self._used
-        for name in names:
-            used[name] = self.rounds
-
     def _evict(self) -> None:
         """Forget the least recently used names once the cache is over its size, down to
         three quarters of it. Every rank holds the same cache and the same use rounds, and
@@ -453,12 +451,12 @@ class Engine:
         limit = max(16, self.cfg.name_cache_size)
         if len(self._by_id) <= limit:
             return
-        keep = sorted(self._by_id, key=lambda nm: (self._used.get(nm, -1),
-                                                   self._cache[nm][0]))[-(limit * 3 // 4):]
-        kept = set(keep)
-        self._by_id = [nm for nm in self._by_id if nm in kept]
+        ids = np.arange(len(self._by_id))
+        # most recently used last, ties by id: the same order on every rank
+        keep = np.sort(np.lexsort((ids, self._last))[-(limit * 3 // 4):])
+        self._by_id = [self._by_id[i] for i in keep]
         self._cache = {nm: (i, self._cache[nm][1]) for i, nm in enumerate(self._by_id)}
-        self._used = {nm: r for nm, r in self._used.items() if nm in kept}
+        self._last = self._last[keep]
 
     # -- execution -------------------------------------------------------------------------
     def _execute(self, reqs: Sequence[Request], extras: dict, t0: float, t1: float) -> None:
