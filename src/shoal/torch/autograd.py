@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from shoal.core.ops import ReduceOp, resolve_op
+from shoal.core.process_sets import communicator_for
 
 from . import ops
 from .compression import Compression, user_compressor
@@ -22,7 +23,7 @@ __all__ = ["allgather", "allreduce", "allreduce_", "alltoall", "broadcast", "bro
 
 
 def _size(process_set: Any) -> int:
-    return ops._comm(process_set).size
+    return communicator_for(process_set).size
 
 
 class _Allreduce(torch.autograd.Function):
@@ -68,7 +69,7 @@ class _Allgather(torch.autograd.Function):
         reduced = allreduce(grad, op=ReduceOp.AVERAGE, process_set=ctx.process_set)
         dims = allgather(torch.tensor([ctx.dim], dtype=torch.int64),
                          process_set=ctx.process_set)
-        me = ops._comm(ctx.process_set).rank
+        me = communicator_for(ctx.process_set).rank
         return reduced.narrow(0, _rows_before(dims, me), ctx.dim), None, None
 
 
@@ -84,7 +85,7 @@ class _GroupedAllgather(torch.autograd.Function):
                                     process_set=ctx.process_set)
         dims = allgather(torch.tensor([ctx.dims], dtype=torch.int64),
                          process_set=ctx.process_set)
-        me = ops._comm(ctx.process_set).rank
+        me = communicator_for(ctx.process_set).rank
         return (None, None, *[r.narrow(0, _rows_before(dims[:, i], me), d)
                               for i, (r, d) in enumerate(zip(reduced, ctx.dims, strict=True))])
 
@@ -98,7 +99,7 @@ class _Broadcast(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         reduced = allreduce(grad, op=ReduceOp.AVERAGE, process_set=ctx.process_set)
-        if ops._comm(None).rank != ctx.root:
+        if communicator_for(None).rank != ctx.root:
             reduced = reduced * 0
         return reduced, None, None, None
 

@@ -22,10 +22,11 @@ import torch
 
 from shoal.core.collectives import Handle
 from shoal.core.ops import ReduceOp
+from shoal.core.process_sets import communicator_for
 
 from .compression import user_compressor as _user_compressor
 from .compression import wire_codec
-from .ops import _comm, sparse_allreduce_async
+from .ops import sparse_allreduce_async
 from .tensors import Staged, stage
 
 __all__ = ["Buckets", "auto_bucket_bytes"]
@@ -78,7 +79,7 @@ class Buckets:
                  sparse_as_dense: bool = False) -> None:
         self._params = list(params)   # registration order; the reverse is the first guess
         self._process_set = process_set
-        self._comm = _comm(process_set)
+        self._comm = communicator_for(process_set)
         self._sparse_as_dense = sparse_as_dense
         self._sparse: dict[torch.nn.Parameter, Any] = {}  # sparse gradients in flight
         self._densified: set[torch.nn.Parameter] = set()  # sparse ones reduced as dense

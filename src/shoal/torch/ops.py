@@ -17,7 +17,6 @@ import torch
 
 from shoal.core import process_sets as ps_
 from shoal.core.collectives import Handle
-from shoal.core.communicator import Communicator
 from shoal.core.ops import ReduceOp, resolve_op
 
 from .compression import Compression, wire_codec
@@ -56,10 +55,6 @@ class TorchHandle:
         return self._result
 
 
-def _comm(process_set: Any) -> Communicator:
-    return ps_.communicator_for(process_set)
-
-
 def _tensor(array: np.ndarray, like: torch.Tensor, bf16: bool) -> torch.Tensor:
     out = torch.from_numpy(np.ascontiguousarray(array))
     if bf16:
@@ -76,7 +71,7 @@ def _parts(name: str | None, count: int) -> list[str | None]:
 def _allreduce_async(tensors: Sequence[torch.Tensor], inplace: bool, name: str | None,
                      op: ReduceOp, prescale: float, postscale: float, compression: Any,
                      process_set: Any, grouped: bool) -> TorchHandle:
-    comm = _comm(process_set)
+    comm = ps_.communicator_for(process_set)
     codec = wire_codec(compression)
     staged, handles = [], []
     for t, part in zip(tensors, _parts(name, len(tensors)) if grouped else [name],
@@ -146,7 +141,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None, op: ReduceOp 
     def result() -> torch.Tensor:
         vals, idx = synchronize(values), synchronize(indices)
         if op == Average:
-            vals = vals / _comm(process_set).size
+            vals = vals / ps_.communicator_for(process_set).size
         return torch.sparse_coo_tensor(idx.transpose(0, 1), vals, t.size())
     return result
 
@@ -154,7 +149,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None, op: ReduceOp 
 # -- allgather -----------------------------------------------------------------------------------
 def _allgather_async(tensors: Sequence[torch.Tensor], name: str | None, process_set: Any,
                      grouped: bool) -> TorchHandle:
-    comm = _comm(process_set)
+    comm = ps_.communicator_for(process_set)
     staged: list[Staged] = [stage(t) for t in tensors]
     for t in tensors:
         if t.dim() == 0:
@@ -184,7 +179,7 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = 
 # -- broadcast -----------------------------------------------------------------------------------
 def _broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None, process_set: Any,
                      inplace: bool) -> TorchHandle:
-    comm = _comm(process_set)
+    comm = ps_.communicator_for(process_set)
     root = ps_.global_process_set.local_rank_of(root_rank) if process_set is None else \
         process_set.local_rank_of(root_rank)
     s = stage(tensor, copy=not inplace)
@@ -207,7 +202,7 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = No
 def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
                    process_set: Any = None) -> TorchHandle:
     """Start an alltoall; resolves to ``(output, received_splits)``."""
-    comm = _comm(process_set)
+    comm = ps_.communicator_for(process_set)
     if isinstance(splits, torch.Tensor):
         if splits.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"rank {comm.rank}: alltoall splits must be an int32 or int64 "
@@ -226,7 +221,7 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = 
 def _reducescatter_async(tensors: Sequence[torch.Tensor], name: str | None, op: ReduceOp,
                          process_set: Any, prescale: float, postscale: float,
                          grouped: bool) -> TorchHandle:
-    comm = _comm(process_set)
+    comm = ps_.communicator_for(process_set)
     staged = [stage(t) for t in tensors]
     handles = [comm.reducescatter_async(s.array, op, part, bf16=s.bf16, prescale_factor=prescale,
                                         postscale_factor=postscale)
@@ -269,10 +264,10 @@ def poll(handle: TorchHandle) -> bool:
 
 def barrier(process_set: Any = None) -> None:
     """Wait until every rank of the process set arrives."""
-    _comm(process_set).barrier()
+    ps_.communicator_for(process_set).barrier()
 
 
 def join(device: int = -1) -> int:
     """This rank has no more data: until every rank has joined, it contributes zeros to the
     allreduces the others still run. Returns the last rank to join (the same everywhere)."""
-    return _comm(None).join()
+    return ps_.communicator_for(None).join()

@@ -26,10 +26,10 @@ import torch
 
 import shoal
 from shoal.core.ops import ReduceOp
+from shoal.core.process_sets import communicator_for
 
 from .buckets import Buckets, auto_bucket_bytes
 from .compression import Compression
-from .ops import _comm
 
 __all__ = ["DistributedOptimizer"]
 
@@ -77,7 +77,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._parameter_names = self._names  # Horovod's attribute
         # a rank outside the process set steps on its own gradients, as in Horovod
         member = process_set is None or process_set.included()
-        self._comm = _comm(process_set) if member else None
+        self._comm = communicator_for(process_set) if member else None
         self._counts: dict[torch.nn.Parameter, int] = {}
         self._synchronized = False
         self._skip = False

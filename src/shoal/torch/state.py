@@ -7,7 +7,9 @@ from typing import Any
 
 import torch
 
-from .ops import _comm, broadcast_async_
+from shoal.core.process_sets import communicator_for
+
+from .ops import broadcast_async_
 
 __all__ = [
     "allgather_object",
@@ -66,9 +68,9 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
     """Send a picklable object (tensors included) from global rank ``root_rank`` to every
     rank of the process set."""
     root = root_rank if process_set is None else process_set.local_rank_of(root_rank)
-    return _comm(process_set).broadcast_object(obj, root, name=name)
+    return communicator_for(process_set).broadcast_object(obj, root, name=name)
 
 
 def allgather_object(obj: Any, name: str | None = None, process_set: Any = None) -> list[Any]:
     """Every rank's picklable object, in rank order."""
-    return _comm(process_set).allgather_object(obj, name=name)
+    return communicator_for(process_set).allgather_object(obj, name=name)
