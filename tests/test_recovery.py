@@ -179,9 +179,16 @@ def _half_average(rank: int) -> dict[str, list[float]]:
         x = np.full(1000, 40000.0, dtype)  # the sum (80000) does not fit float16
         out[np.dtype(dtype).name] = sorted({float(v) for v in shoal.allreduce(x)})
         out[f"{np.dtype(dtype).name}-in"] = [float(x[0])]
-    if shoal.size() == 3:  # partial sums 120000 overflow float16; the sum (60000) does not
-        x = np.full(100, 60000.0 if rank < 2 else -60000.0, np.float16)
-        out["sum-partial"] = sorted({float(v) for v in shoal.allreduce(x, shoal.Sum)})
+    # partial sums (80000) overflow float16 where the sum does not: on every path, native
+    # float16 and float32 sent as fp16, the sum must come out right
+    values = [40000.0, -30000.0] if shoal.size() == 2 else \
+        [40000.0, 40000.0, -40000.0, -30000.0][:shoal.size()]
+    for kind, dtype, codec in (("sum-partial", np.float16, "none"),
+                               ("sum-partial-wire", np.float32, "fp16")):
+        x = np.full(100, values[rank], dtype)
+        got = shoal.allreduce(x, shoal.Sum, name=kind,
+                              compression=shoal.core.compression.Compression.by_name(codec))
+        out[kind] = [*sorted({float(v) for v in got}), sum(values)]
     x = np.full(999, 40000.0, np.float32)
     out["fp16-wire"] = sorted({float(v) for v in shoal.allreduce(
         x, compression=shoal.core.compression.Compression.fp16)})
@@ -198,7 +205,9 @@ def test_half_average_of_40000_is_40000(algorithm: str, n: int, hosts) -> None:
         assert per_rank["float16"] == [40000.0]
         assert per_rank["bfloat16"] == per_rank["bfloat16-in"]  # 39936: bfloat16's 40000
         assert per_rank["fp16-wire"] == [40000.0]
-        assert per_rank.get("sum-partial", [60000.0]) == [60000.0]
+        for kind in ("sum-partial", "sum-partial-wire"):
+            got, want = per_rank[kind][:-1], per_rank[kind][-1]
+            assert got == [want], (kind, got, want)
 
 
 # -- checkpoints -------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ dtype, plus the codec that converts them to the wire dtype.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -80,25 +80,31 @@ def _cross(comm: Communicator, group: Sequence[int], buf: np.ndarray, reduce, fi
                        block_bytes=comm.cfg.tcp_chunk_bytes, what=what)
 
 
-def _wide_cross(comm: Communicator, group: Sequence[int], buf: np.ndarray, wire: str,
-                op: ReduceOp, count: int, what: str) -> None:
-    """A half-precision sum across hosts travels and accumulates in float32 and is rounded
-    once at the end (an average divides by ``count`` first): partial sums never overflow or
-    round on the way. Used for tensors that *are* half precision; a float32 tensor sent as
-    fp16 by a compression codec keeps its halved wire (averages are pre-divided instead)."""
-    wide = bf16_to_f32(buf) if wire == "bfloat16" else buf.astype(np.float32)
+def _widen(words: np.ndarray, wire: str) -> np.ndarray:
+    return bf16_to_f32(words) if wire == "bfloat16" else words.astype(np.float32)
+
+
+def _narrow(wide: np.ndarray, words: np.ndarray, wire: str) -> None:
+    if wire == "bfloat16":
+        f32_to_bf16(wide, words)
+    else:
+        np.copyto(words, wide, casting="unsafe")
+
+
+def _wide_cross(comm: Communicator, group: Sequence[int], wide: np.ndarray, op: ReduceOp,
+                count: int, what: str) -> None:
+    """Sum float32 ``wide`` across hosts in place (an average divides by ``count`` at the
+    end). Half-precision sums and averages cross hosts this way, whether the tensor is half
+    precision or a compression codec made it so: partial sums never round or overflow on the
+    way, and only the result is rounded, once. The price: twice a 16-bit wire's bytes on
+    the hop between hosts."""
     finish = partial(finalize, op=op, count=count, dtype="float32") \
         if op == ReduceOp.AVERAGE and count > 1 else None
     _cross(comm, group, wide, partial(reduce_into, op=op, dtype="float32"), finish, what)
-    if wire == "bfloat16":
-        f32_to_bf16(wide, buf)
-    else:
-        np.copyto(buf, wide, casting="unsafe")
 
 
-def _native_half_sum(op: ReduceOp, dtype: str, wire: str) -> bool:
-    return dtype == wire and dtype in ("float16", "bfloat16") and op in (ReduceOp.SUM,
-                                                                         ReduceOp.AVERAGE)
+def _half_sum(op: ReduceOp, wire: str) -> bool:
+    return wire in ("float16", "bfloat16") and op in (ReduceOp.SUM, ReduceOp.AVERAGE)
 
 
 def _ring_over(comm: Communicator, group: Sequence[int], srcs, dsts, op, dtype, codec, what):
@@ -110,14 +116,12 @@ def _ring_over(comm: Communicator, group: Sequence[int], srcs, dsts, op, dtype, 
             np.copyto(buf, srcs[0])
     else:
         buf = _pack(srcs, storage_dtype(wire), codec)
-    finish = _finisher(op, wire, comm.size)
-    if _native_half_sum(op, dtype, wire):
-        _wide_cross(comm, group, buf, wire, op, comm.size, what)
+    if _half_sum(op, wire):
+        wide = _widen(buf, wire)
+        _wide_cross(comm, group, wide, op, comm.size, what)
+        _narrow(wide, buf, wire)
     else:
-        if _half_average(op, wire) and finish is not None:
-            finish(buf)  # partial sums of x/n stay within the range of the result
-            finish = None
-        _cross(comm, group, buf, reduce, finish, what)
+        _cross(comm, group, buf, reduce, _finisher(op, wire, comm.size), what)
     if buf is not dsts[0]:
         _unpack(buf, dsts, codec)
 
@@ -164,14 +168,21 @@ def hierarchical_allreduce(comm: Communicator, srcs, dsts, op: ReduceOp, dtype: 
     wire = codec.wire_dtype(dtype)
     reduce = partial(reduce_into, op=op, dtype=wire)
     finish = _finisher(op, wire, comm.size)
-    local = reduce
-    if _half_average(op, wire):  # the host's sum divided by n before it is rounded
-        local, finish = partial(reduce_into, op=op, dtype=wire, divide_by=comm.size), None
+    cross: Callable[[np.ndarray], None] | None = None
+    if _half_sum(op, wire):
+        def local(part: np.ndarray, peers: list[np.ndarray],
+                  first: np.ndarray | None = None) -> None:
+            # the host's sum stays float32 through the hop between hosts: one rounding
+            wide = _widen(part if first is None else first, wire)
+            for peer in peers:
+                wide += _widen(peer, wire)
+            _wide_cross(comm, group, wide, op, comm.size, what)
+            _narrow(wide, part, wire)
+        finish = None
+    else:
+        local = reduce
 
-    def cross(part: np.ndarray) -> None:
-        if _native_half_sum(op, dtype, wire):  # the host's share, widened across hosts
-            _wide_cross(comm, group, part, wire, ReduceOp.SUM, 1, what)
-        else:
+        def cross(part: np.ndarray) -> None:
             _cross(comm, group, part, reduce, None, what)
 
     comm.shm.allreduce(srcs, dsts, storage_dtype(wire), local,
