@@ -21,6 +21,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from . import config, topology
 from .auth import secret_bytes
 from .collectives import Collectives
@@ -29,6 +31,7 @@ from .config import Config
 from .engine import Engine
 from .errors import PeerLostError, ShoalError
 from .liveness import Liveness
+from .p2p import P2PHandle, PeerMessages
 from .store import PrefixStore, Store
 from .timeline import Timeline
 from .transport.shm import ShmGroup
@@ -115,6 +118,8 @@ class Communicator(Collectives):
         self.liveness = liveness
         self._closers = list(closers)
         self._children: dict[tuple[int, ...], int] = {}
+        self._p2p: PeerMessages | None = None
+        self._p2p_lock = threading.Lock()
         self._counter = 0
         self._closed = False
         timeline = Timeline(cfg.timeline, world.rank) if cfg.timeline and (
@@ -212,12 +217,41 @@ class Communicator(Collectives):
         if self.store is None:  # a one-rank parent: the child is a one-rank group too
             return Communicator.create(_LocalStore(), 0, 1, cfg=cfg or self.cfg)
         prefix = f"sub/{'.'.join(map(str, members))}/{count}"
-        return Communicator.create(PrefixStore(self.store, prefix), members.index(self.rank),
-                                   len(members), cfg=cfg or self.cfg,
-                                   hostname=self.world.hosts[self.rank], secret=self.secret,
-                                   job_id=self.job_id,
+        return self.child(members, PrefixStore(self.store, prefix), cfg=cfg)
+
+    def child(self, members: Sequence[int], store: Store, *, cfg: Config | None = None,
+              closers: Sequence[Callable[[], None]] = ()) -> Communicator:
+        """A communicator over ``members`` (this rank among them) met through ``store``, which
+        every member must name alike and no other communicator may use; it inherits this
+        one's host identities, secret, job and address. :meth:`split` numbers its stores
+        itself; point-to-point pairs use their own."""
+        return Communicator.create(store, list(members).index(self.rank), len(members),
+                                   cfg=cfg or self.cfg, hostname=self.world.hosts[self.rank],
+                                   secret=self.secret, job_id=self.job_id,
                                    bind_addr=self.transport.mesh.address[0]
-                                   if self.transport.mesh else None)
+                                   if self.transport.mesh else None, closers=closers)
+
+    # -- point to point --------------------------------------------------------------------
+    @property
+    def _peer_messages(self) -> PeerMessages:
+        with self._p2p_lock:
+            if self._p2p is None:
+                if self._closed:
+                    raise ShoalError(f"rank {self.rank}: the communicator is closed")
+                self._p2p = PeerMessages(self)
+            return self._p2p
+
+    def send(self, array: np.ndarray, dst: int, tag: int = 0) -> P2PHandle:
+        """Start sending the bytes of ``array`` to rank ``dst`` (keep ``array`` unchanged
+        until the handle is done). Messages to one rank with one tag arrive in order."""
+        return self._peer_messages.send(array, dst, tag)
+
+    def recv(self, out: np.ndarray, src: int | None = None, tag: int = 0,
+             timeout: float | None = None) -> P2PHandle:
+        """Start receiving into ``out`` from rank ``src`` (any rank when None: ``timeout``
+        bounds the wait for a sender); the handle resolves to the sender's rank. The sizes
+        in bytes must match the send's."""
+        return self._peer_messages.recv(out, src, tag, timeout)
 
     # -- identity --------------------------------------------------------------------------
     @property
@@ -255,6 +289,10 @@ class Communicator(Collectives):
         if self._closed:
             return
         self._closed = True
+        with self._p2p_lock:
+            p2p, self._p2p = self._p2p, None
+        if p2p is not None:
+            p2p.close()
         self.engine.close()
         if self.liveness is not None:
             self.liveness.close()
