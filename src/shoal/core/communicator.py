@@ -107,7 +107,7 @@ class Communicator(Collectives):
 
     def __init__(self, cfg: Config, world: topology.World, transport: Transport,
                  store: Store | None, *, secret: str = "", job_id: str = "local",
-                 liveness: Liveness | None = None,
+                 liveness: Liveness | None = None, p2p: PeerMessages | None = None,
                  closers: Sequence[Callable[[], None]] = ()) -> None:
         self.cfg = cfg
         self.world = world
@@ -118,8 +118,7 @@ class Communicator(Collectives):
         self.liveness = liveness
         self._closers = list(closers)
         self._children: dict[tuple[int, ...], int] = {}
-        self._p2p: PeerMessages | None = None
-        self._p2p_lock = threading.Lock()
+        self.p2p = p2p
         self._counter = 0
         self._closed = False
         timeline = Timeline(cfg.timeline, world.rank) if cfg.timeline and (
@@ -172,12 +171,17 @@ class Communicator(Collectives):
             mesh = TcpMesh(rank, size, key, timeout=cfg.timeout_s or 60.0,
                            buffer_bytes=cfg.tcp_buffer_bytes, bind_addr=bind, liveness=liveness)
             resources.append(mesh.close)
+            p2p = PeerMessages(rank, size, key, bind_addr=bind, timeout=cfg.timeout_s or None,
+                               connect_timeout=wait, buffer_bytes=cfg.tcp_buffer_bytes)
+            resources.append(p2p.close)
             hello = json.dumps({"host": host, "addr": mesh.address[0], "port": mesh.address[1],
-                                "hb": liveness.address[1], "pid": os.getpid()}).encode()
+                                "hb": liveness.address[1], "p2p": p2p.address[1],
+                                "pid": os.getpid()}).encode()
             peers = [json.loads(b) for b in store.allgather("hello", rank, size, hello, wait)]
             world = topology.World.from_hostnames(rank, [p["host"] for p in peers])
             mesh.connect([(p["addr"], p["port"]) for p in peers], wait)
             liveness.start({r: (p["addr"], p["hb"]) for r, p in enumerate(peers)})
+            p2p.start([(p["addr"], p["p2p"]) for p in peers])
             shm = None
             if cfg.shm_enable and world.local_size > 1:
                 def barrier(tag: str) -> None:
@@ -188,7 +192,7 @@ class Communicator(Collectives):
                 resources.append(shm.close)
             transport = Transport(cfg, world, mesh, shm)
             comm = cls(cfg, world, transport, store, secret=secret, job_id=job_id,
-                       liveness=liveness, closers=closers)
+                       liveness=liveness, p2p=p2p, closers=closers)
         except BaseException:
             for release in reversed(resources):
                 with contextlib.suppress(Exception):
@@ -219,39 +223,34 @@ class Communicator(Collectives):
         prefix = f"sub/{'.'.join(map(str, members))}/{count}"
         return self.child(members, PrefixStore(self.store, prefix), cfg=cfg)
 
-    def child(self, members: Sequence[int], store: Store, *, cfg: Config | None = None,
-              closers: Sequence[Callable[[], None]] = ()) -> Communicator:
+    def child(self, members: Sequence[int], store: Store, *,
+              cfg: Config | None = None) -> Communicator:
         """A communicator over ``members`` (this rank among them) met through ``store``, which
         every member must name alike and no other communicator may use; it inherits this
         one's host identities, secret, job and address. :meth:`split` numbers its stores
-        itself; point-to-point pairs use their own."""
+        itself."""
         return Communicator.create(store, list(members).index(self.rank), len(members),
                                    cfg=cfg or self.cfg, hostname=self.world.hosts[self.rank],
                                    secret=self.secret, job_id=self.job_id,
                                    bind_addr=self.transport.mesh.address[0]
-                                   if self.transport.mesh else None, closers=closers)
+                                   if self.transport.mesh else None)
 
     # -- point to point --------------------------------------------------------------------
-    @property
     def _peer_messages(self) -> PeerMessages:
-        with self._p2p_lock:
-            if self._p2p is None:
-                if self._closed:
-                    raise ShoalError(f"rank {self.rank}: the communicator is closed")
-                self._p2p = PeerMessages(self)
-            return self._p2p
+        if self.p2p is None:
+            raise ShoalError(f"rank {self.rank}: a communicator of one rank has no peers to "
+                             f"send to or receive from")
+        return self.p2p
 
     def send(self, array: np.ndarray, dst: int, tag: int = 0) -> P2PHandle:
         """Start sending the bytes of ``array`` to rank ``dst`` (keep ``array`` unchanged
         until the handle is done). Messages to one rank with one tag arrive in order."""
-        return self._peer_messages.send(array, dst, tag)
+        return self._peer_messages().send(array, dst, tag)
 
-    def recv(self, out: np.ndarray, src: int | None = None, tag: int = 0,
-             timeout: float | None = None) -> P2PHandle:
-        """Start receiving into ``out`` from rank ``src`` (any rank when None: ``timeout``
-        bounds the wait for a sender); the handle resolves to the sender's rank. The sizes
-        in bytes must match the send's."""
-        return self._peer_messages.recv(out, src, tag, timeout)
+    def recv(self, out: np.ndarray, src: int | None = None, tag: int = 0) -> P2PHandle:
+        """Start receiving into ``out`` from rank ``src`` (any rank when None); the handle
+        resolves to the sender's rank. The sizes in bytes must match the send's."""
+        return self._peer_messages().recv(out, src, tag)
 
     # -- identity --------------------------------------------------------------------------
     @property
@@ -289,10 +288,8 @@ class Communicator(Collectives):
         if self._closed:
             return
         self._closed = True
-        with self._p2p_lock:
-            p2p, self._p2p = self._p2p, None
-        if p2p is not None:
-            p2p.close()
+        if self.p2p is not None:
+            self.p2p.close()
         self.engine.close()
         if self.liveness is not None:
             self.liveness.close()

@@ -1,60 +1,60 @@
-"""Point-to-point messages (send/recv) between two ranks of a communicator.
+"""Point-to-point messages (send/recv) between ranks of a communicator.
 
-Each pair of ranks talks over its own two-rank child communicator (shared memory on one host,
-its own TCP connections across hosts), made on first use, on a background thread: a send or
-receive never blocks its caller, and a ring of sends issued before their receives cannot
-deadlock while pairs are set up. A message is a broadcast from the sender over the pair,
-named by direction, tag and message number, so messages of one direction and tag match in
-the order they were posted (MPI's non-overtaking rule), and a size mismatch is a
-:class:`~shoal.core.errors.CollectiveMismatchError` that names both sides.
+Every communicator of more than one rank listens for point-to-point connections from the
+start (the address travels in its hello, so nothing needs the store afterwards: a rank may
+send after the store's host has exited). A rank dials a peer on its first send to it, on a
+background thread, and proves the job secret (role ``p2p``); each connection carries one
+direction only, so two ranks dialing each other never race. A send never blocks its caller,
+and a ring of sends issued before their receives cannot deadlock: every connection has a
+reader that drains it, into the posted receive's own buffer when one matches, otherwise into
+a held copy until a receive is posted.
 
-A receive from any source learns its sender through the parent's store: every send counts
-itself there (one store round trip, on a key per sender, receiver and tag, so the store does
-not grow), and the receive takes the next message of the first sender whose count is ahead of
-what this rank has received from it. Receives of one tag are resolved in the order posted.
+Matching follows MPI's rules: a message goes to the earliest-posted receive whose source (or
+any source) and tag match it, and messages from one rank with one tag arrive in the order
+sent. A receive whose buffer size differs from the message's fails with a :class:`ValueError`
+naming both sizes (the message is consumed, the connection stays usable); a peer that exits
+fails what waits on it with :class:`~shoal.core.errors.PeerLostError`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import socket
+import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from .errors import ShoalTimeoutError
-from .store import PrefixStore
-
-if TYPE_CHECKING:
-    from .collectives import Handle
-    from .communicator import Communicator
+from .auth import client_handshake, server_handshake
+from .errors import AuthenticationError, PeerLostError, RendezvousError, ShoalTimeoutError
+from .netutil import recv_exact, recv_into_exact, tune_socket
 
 __all__ = ["P2PHandle", "PeerMessages"]
 
+log = logging.getLogger("shoal.p2p")
+_ROLE = b"p2p"
+_RANK = struct.Struct("!I")
+_HEAD = struct.Struct("!qQ")  # tag, payload bytes
+_SMALL = 1 << 16  # payloads up to this size are copied to go out with their header
+
 
 class P2PHandle:
-    """A pending send or receive: completes when its collective over the pair does.
-
-    Same interface as :class:`~shoal.core.collectives.Handle`; its result is the number of
-    the rank the message came from (the peer, for a send).
-    """
+    """A pending send or receive. Its result is the peer's rank (for a receive from any
+    source, the sender); same interface as :class:`~shoal.core.collectives.Handle`."""
 
     def __init__(self) -> None:
         self._future: Future = Future()
         self.source: int | None = None
 
-    def _follow(self, inner: Handle, source: int) -> None:
-        self.source = source
-
-        def done(h: Handle) -> None:
-            exc = h.exception()
-            if exc is not None:
-                self._future.set_exception(exc)
-            else:
-                self._future.set_result(source)
-        inner.add_done_callback(done)
+    def _resolve(self, peer: int) -> None:
+        self.source = peer
+        if not self._future.done():
+            self._future.set_result(peer)
 
     def _fail(self, exc: BaseException) -> None:
         if not self._future.done():
@@ -69,174 +69,258 @@ class P2PHandle:
         try:
             return self._future.result(timeout)
         except TimeoutError as exc:
-            raise ShoalTimeoutError(f"point-to-point message not done after {timeout}s "
-                                    f"(is the peer posting the matching send/recv?)") from exc
+            raise ShoalTimeoutError(f"point-to-point message not done after {timeout}s (is "
+                                    f"the peer posting the matching send/recv?)") from exc
 
     def exception(self) -> BaseException | None:
         """The error once done (None if it succeeded)."""
         return self._future.exception() if self._future.done() else None
 
-    def add_done_callback(self, fn: Callable[[P2PHandle], None]) -> None:
+    def add_done_callback(self, fn) -> None:
         """Call ``fn(handle)`` when done (possibly on a background thread)."""
         self._future.add_done_callback(lambda _f: fn(self))
 
 
+@dataclass
+class _Recv:
+    src: int | None
+    tag: int
+    buffer: memoryview
+    handle: P2PHandle = field(default_factory=P2PHandle)
+
+
+@dataclass
+class _Held:
+    src: int
+    tag: int
+    data: bytearray
+
+
 class PeerMessages:
-    """The point-to-point state of one communicator (see the module's docstring)."""
+    """The point-to-point endpoint of one rank of a communicator."""
 
-    POLL_S = 0.002  # first pause between looks at the store for a receive from any source
-
-    def __init__(self, comm: Communicator) -> None:
-        self._comm = comm
+    def __init__(self, rank: int, size: int, secret: bytes, *, bind_addr: str,
+                 timeout: float | None, connect_timeout: float,
+                 buffer_bytes: int | None = None) -> None:
+        self.rank, self.size = rank, size
+        self._secret = secret
+        self._timeout = timeout
+        self._connect_timeout = connect_timeout
+        self._buffer_bytes = buffer_bytes
+        self._listener = socket.create_server((bind_addr, 0), backlog=max(16, size))
+        self._listener.settimeout(0.25)  # the accept loop polls, so close() never races it
+        self.address: tuple[str, int] = self._listener.getsockname()[:2]
+        self._peers: list[tuple[str, int]] = []
         self._lock = threading.Lock()
-        self._pairs: dict[int, Future] = {}
-        self._sent: dict[tuple[int, int], int] = {}  # (dst, tag) -> messages sent
-        self._taken: dict[tuple[int, int], int] = {}  # (src, tag) -> messages received
-        self._last_recv: dict[int, Future] = {}  # tag -> resolution of the last receive
-        self._pool = ThreadPoolExecutor(max_workers=max(2, comm.size + 2),
-                                        thread_name_prefix="shoal-p2p")
+        self._posted: list[_Recv] = []
+        self._held: list[_Held] = []
+        self._out: dict[int, socket.socket] = {}
+        self._senders: dict[int, ThreadPoolExecutor] = {}
+        self._readers: list[socket.socket] = []
+        self._lost: dict[int, BaseException] = {}
         self._closed = False
+        self._acceptor: threading.Thread | None = None
 
-    # -- pairs -----------------------------------------------------------------------------
-    def _pair(self, peer: int) -> Future:
-        with self._lock:
-            if self._closed:
-                raise RuntimeError(f"rank {self._comm.rank}: the communicator is closed")
-            fut = self._pairs.get(peer)
-            if fut is None:
-                fut = self._pool.submit(self._make_pair, peer)
-                self._pairs[peer] = fut
-            return fut
+    def start(self, addresses: Sequence[tuple[str, int]]) -> None:
+        """Learn every rank's point-to-point address and start accepting connections."""
+        self._peers = list(addresses)
+        self._acceptor = threading.Thread(target=self._accept_loop, daemon=True,
+                                          name=f"shoal-p2p-accept-{self.rank}")
+        self._acceptor.start()
 
-    def _make_pair(self, peer: int) -> Communicator:
-        comm = self._comm
-        low, high = sorted((comm.rank, peer))
-        store = PrefixStore(comm.store, f"p2p/{low}.{high}").clone()  # waits in parallel
-        try:
-            return comm.child((low, high), store, closers=[store.close])
-        except BaseException:
-            store.close()
-            raise
-
-    def _check(self, peer: int, what: str) -> None:
-        comm = self._comm
-        if not 0 <= peer < comm.size or peer == comm.rank:
-            raise ValueError(f"rank {comm.rank}: cannot {what} rank {peer}: it must be another "
-                             f"rank of this communicator (size {comm.size})")
-
-    @staticmethod
-    def _name(src: int, dst: int, tag: int, number: int) -> str:
-        return f"p2p.{src}>{dst}.{tag}.{number}"
-
-    def _start(self, handle: P2PHandle, peer: int, make: Callable[[Communicator], Handle],
-               source: int) -> None:
-        def go(fut: Future) -> None:
+    # -- receiving -------------------------------------------------------------------------
+    def _accept_loop(self) -> None:
+        while not self._closed:
             try:
-                handle._follow(make(fut.result()), source)
-            except BaseException as exc:
-                handle._fail(exc)
-        self._pair(peer).add_done_callback(go)
+                sock, addr = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            try:
+                sock.settimeout(self._connect_timeout)
+                server_handshake(sock, self._secret, _ROLE)
+                (peer,) = _RANK.unpack(recv_exact(sock, _RANK.size, "peer"))
+                if not 0 <= peer < self.size:
+                    raise AuthenticationError(f"claimed rank {peer}")
+            except (AuthenticationError, PeerLostError, OSError) as exc:
+                log.warning("rank %d: refused point-to-point connection from %s: %s",
+                            self.rank, addr, exc)
+                sock.close()
+                continue
+            tune_socket(sock, self._buffer_bytes)
+            sock.settimeout(None)  # a receive may legitimately wait long for its message
+            with self._lock:
+                if self._closed:
+                    sock.close()
+                    return
+                self._readers.append(sock)
+            threading.Thread(target=self._read_loop, args=(sock, peer), daemon=True,
+                             name=f"shoal-p2p-read-{self.rank}<{peer}").start()
 
-    # -- the operations --------------------------------------------------------------------
-    def send(self, data: np.ndarray, dst: int, tag: int = 0) -> P2PHandle:
-        """Send the bytes of ``data`` (contiguous; kept alive until done) to rank ``dst``."""
-        self._check(dst, "send to")
-        comm = self._comm
-        with self._lock:
-            number = self._sent.get((dst, tag), 0)
-            self._sent[(dst, tag)] = number + 1
-        if comm.store is not None:  # what a receive from any source looks for
-            comm.store.add(f"p2p/sent/{comm.rank}>{dst}/{tag}", 1)
-        raw = _bytes(data)
-        name = self._name(comm.rank, dst, tag, number)
-        handle = P2PHandle()
-        self._start(handle, dst, lambda pair: pair.broadcast_async(
-            raw, pair_rank(comm.rank, dst), name=name), dst)
-        return handle
+    def _match_posted(self, src: int, tag: int) -> _Recv | None:
+        for i, r in enumerate(self._posted):  # the earliest-posted receive that matches
+            if r.tag == tag and r.src in (None, src):
+                return self._posted.pop(i)
+        return None
 
-    def recv(self, out: np.ndarray, src: int | None = None, tag: int = 0,
-             timeout: float | None = None) -> P2PHandle:
-        """Receive into ``out`` (contiguous) from rank ``src``, or from any rank if None."""
+    def _read_loop(self, sock: socket.socket, src: int) -> None:
+        what = f"rank {src} (point-to-point)"
+        try:
+            while True:
+                tag, nbytes = _HEAD.unpack(recv_exact(sock, _HEAD.size, what, src))
+                with self._lock:
+                    recv = self._match_posted(src, tag)
+                if recv is not None and recv.buffer.nbytes == nbytes:
+                    if nbytes:
+                        recv_into_exact(sock, recv.buffer, what, src)
+                    recv.handle._resolve(src)
+                    continue
+                data = bytearray(nbytes)
+                if nbytes:
+                    recv_into_exact(sock, memoryview(data), what, src)
+                if recv is not None:
+                    self._deliver(recv, _Held(src, tag, data))
+                    continue
+                with self._lock:  # a receive posted while the payload was arriving
+                    recv = self._match_posted(src, tag)
+                    if recv is None:
+                        self._held.append(_Held(src, tag, data))
+                if recv is not None:
+                    self._deliver(recv, _Held(src, tag, data))
+        except BaseException as exc:
+            lost = exc if isinstance(exc, PeerLostError) else PeerLostError(
+                f"rank {self.rank}: point-to-point connection from rank {src} failed: {exc}",
+                rank=src)
+            with self._lock:
+                self._lost[src] = lost
+                waiting = [r for r in self._posted if r.src == src]
+                self._posted = [r for r in self._posted if r.src != src]
+            for r in waiting:
+                r.handle._fail(lost)
+            with contextlib.suppress(OSError):
+                sock.close()
+
+    def _deliver(self, recv: _Recv, msg: _Held) -> None:
+        if len(msg.data) != recv.buffer.nbytes:
+            recv.handle._fail(ValueError(
+                f"rank {self.rank}: the message from rank {msg.src} with tag {msg.tag} has "
+                f"{len(msg.data)} bytes but the receive buffer has {recv.buffer.nbytes}; "
+                f"post a receive of the size sent"))
+            return
+        recv.buffer[:] = msg.data
+        recv.handle._resolve(msg.src)
+
+    def recv(self, out: np.ndarray, src: int | None = None, tag: int = 0) -> P2PHandle:
+        """Receive into ``out`` (contiguous) from ``src``, or from any rank when None."""
         if src is not None:
             self._check(src, "receive from")
-        raw = _bytes(out)
-        handle = P2PHandle()
-        resolved: Future = Future()
+        recv = _Recv(src, int(tag), _bytes(out))
         with self._lock:
-            before = self._last_recv.get(tag)
-            self._last_recv[tag] = resolved
+            self._open()
+            held = next((i for i, m in enumerate(self._held)
+                         if m.tag == recv.tag and src in (None, m.src)), None)
+            msg = self._held.pop(held) if held is not None else None
+            lost = self._lost.get(src) if src is not None and msg is None else None
+            if msg is None and lost is None:
+                self._posted.append(recv)
+        if msg is not None:
+            self._deliver(recv, msg)
+        elif lost is not None:
+            recv.handle._fail(lost)
+        return recv.handle
 
-        def resolve(_: Any = None) -> None:
-            try:
-                source = src if src is not None else self._any_source(tag, timeout)
-                with self._lock:
-                    number = self._taken.get((source, tag), 0)
-                    self._taken[(source, tag)] = number + 1
-            except BaseException as exc:
-                resolved.set_result(None)
-                handle._fail(exc)
-                return
-            resolved.set_result(None)
-            name = self._name(source, self._comm.rank, tag, number)
-            me = self._comm.rank
-            self._start(handle, source, lambda pair: pair.broadcast_async(
-                raw, pair_rank(source, me), name=name), source)
-
-        if src is not None and (before is None or before.done()):
-            resolve()
-        elif src is not None:
-            before.add_done_callback(resolve)
-        else:  # a store wait: off the caller's thread, after the receives posted before it
-            start = before if before is not None else _done_future()
-            start.add_done_callback(lambda _f: self._pool.submit(resolve))
+    # -- sending ---------------------------------------------------------------------------
+    def send(self, data: np.ndarray, dst: int, tag: int = 0) -> P2PHandle:
+        """Send the bytes of ``data`` (contiguous; keep it unchanged until done) to ``dst``."""
+        self._check(dst, "send to")
+        view = _bytes(data)
+        handle = P2PHandle()
+        with self._lock:
+            self._open()
+            sender = self._senders.get(dst)
+            if sender is None:
+                sender = self._senders[dst] = ThreadPoolExecutor(
+                    1, thread_name_prefix=f"shoal-p2p-send-{self.rank}>{dst}")
+        sender.submit(self._send_now, handle, view, dst, int(tag))
         return handle
 
-    def _any_source(self, tag: int, timeout: float | None) -> int:
-        comm = self._comm
-        if comm.store is None:
-            raise RuntimeError(f"rank {comm.rank}: a receive from any source needs a "
-                               f"communicator of more than one rank")
-        deadline = None if timeout is None else time.monotonic() + timeout
-        pause = self.POLL_S
-        peers = [r for r in range(comm.size) if r != comm.rank]
+    def _send_now(self, handle: P2PHandle, view: memoryview, dst: int, tag: int) -> None:
+        try:
+            sock = self._out.get(dst) or self._dial(dst)
+            head = _HEAD.pack(tag, view.nbytes)
+            if view.nbytes <= _SMALL:  # one segment on the wire
+                sock.sendall(head + view.tobytes())
+            else:
+                sock.sendall(head)
+                sock.sendall(view)
+        except BaseException as exc:
+            handle._fail(exc if isinstance(exc, PeerLostError | RendezvousError) else
+                         PeerLostError(f"rank {self.rank}: sending to rank {dst} failed: "
+                                       f"{exc}", rank=dst))
+            return
+        handle._resolve(dst)
+
+    def _dial(self, dst: int) -> socket.socket:
+        addr = self._peers[dst]
+        deadline = time.monotonic() + self._connect_timeout
+        delay = 0.01
         while True:
-            for peer in peers:
-                sent = comm.store.add(f"p2p/sent/{peer}>{comm.rank}/{tag}", 0)
-                with self._lock:
-                    if sent > self._taken.get((peer, tag), 0):
-                        return peer
+            try:
+                sock = socket.create_connection(addr, timeout=self._connect_timeout)
+                break
+            except OSError as exc:
+                if time.monotonic() + delay > deadline:
+                    raise RendezvousError(f"rank {self.rank}: cannot open a point-to-point "
+                                          f"connection to rank {dst} at {addr[0]}:{addr[1]}: "
+                                          f"{exc}") from None
+                time.sleep(delay)
+                delay = min(delay * 2, 0.5)
+        tune_socket(sock, self._buffer_bytes)
+        client_handshake(sock, self._secret, _ROLE)
+        sock.sendall(_RANK.pack(self.rank))
+        sock.settimeout(self._timeout)
+        with self._lock:
             if self._closed:
-                raise RuntimeError(f"rank {comm.rank}: the communicator closed while a "
-                                   f"receive from any source was waiting")
-            if deadline is not None and time.monotonic() > deadline:
-                raise ShoalTimeoutError(f"rank {comm.rank}: no message with tag {tag} arrived "
-                                        f"from any rank within {timeout}s")
-            time.sleep(pause)
-            pause = min(pause * 2, 0.05)
+                sock.close()
+                raise PeerLostError(f"rank {self.rank}: the communicator is closed")
+            self._out[dst] = sock
+        return sock
+
+    # -- bookkeeping -----------------------------------------------------------------------
+    def _check(self, peer: int, what: str) -> None:
+        if not 0 <= peer < self.size or peer == self.rank:
+            raise ValueError(f"rank {self.rank}: cannot {what} rank {peer}: it must be another "
+                             f"rank of this communicator (size {self.size})")
+
+    def _open(self) -> None:
+        if self._closed:
+            raise PeerLostError(f"rank {self.rank}: the communicator is closed")
 
     def close(self) -> None:
-        """Close every pair's communicator."""
+        """Close every connection; pending receives fail."""
         with self._lock:
+            if self._closed:
+                return
             self._closed = True
-            pairs = list(self._pairs.values())
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        for fut in pairs:
-            if fut.done() and fut.exception() is None:
-                fut.result().close()
+            socks = [*self._out.values(), *self._readers]
+            posted, self._posted = self._posted, []
+            senders = list(self._senders.values())
+        self._listener.close()
+        for sock in socks:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+        for sender in senders:
+            sender.shutdown(wait=False, cancel_futures=True)
+        for r in posted:
+            r.handle._fail(PeerLostError(f"rank {self.rank}: the communicator closed while a "
+                                         f"receive was pending"))
+        if self._acceptor is not None and self._acceptor is not threading.current_thread():
+            self._acceptor.join(1.0)
 
 
-def pair_rank(rank: int, peer: int) -> int:
-    """``rank``'s rank in the two-rank communicator it shares with ``peer``."""
-    return 0 if rank < peer else 1
-
-
-def _bytes(array: np.ndarray) -> np.ndarray:
+def _bytes(array: np.ndarray) -> memoryview:
     if not array.flags.c_contiguous:
         raise ValueError("point-to-point buffers must be contiguous")
-    return array.reshape(-1).view(np.uint8)
-
-
-def _done_future() -> Future:
-    fut: Future = Future()
-    fut.set_result(None)
-    return fut
+    return memoryview(array.reshape(-1).view(np.uint8))

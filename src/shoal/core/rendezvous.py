@@ -256,13 +256,7 @@ class StoreClient(Store):
         self._who = f"rank {rank}: " if rank is not None else ""
         self._where = f"the rendezvous store at {addr}:{port}"
         self._lock, self._closed = threading.Lock(), False
-        self._secret, self._rank = secret, rank
         self._sock = self._connect(secret, connect_timeout)
-
-    def clone(self) -> StoreClient:
-        """A new connection to the same server (waits on it block only its own users)."""
-        return StoreClient(self.addr, self.port, self._secret, timeout=self.timeout,
-                           rank=self._rank)
 
     def _connect(self, secret: bytes, connect_timeout: float) -> socket.socket:
         """Connect and authenticate, retrying with back-off while the server is not up yet."""

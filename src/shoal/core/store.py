@@ -48,12 +48,6 @@ class Store(abc.ABC):
     def close(self) -> None:  # noqa: B027 (optional: most adapters own nothing)
         """Release this handle (the store itself may live on elsewhere)."""
 
-    def clone(self) -> Store:
-        """Another handle onto the same store, for a thread that waits concurrently with this
-        handle's users (a blocking wait on a connection holds it). Close it when done. The
-        default shares this handle: right for stores whose waits block no one else."""
-        return self
-
     # -- helpers written once on the primitives --------------------------------------------
     def barrier(self, name: str, size: int, timeout: float | None = None) -> None:
         """Wait until ``size`` callers reached barrier ``name`` (use each name only once)."""
@@ -94,15 +88,6 @@ class PrefixStore(Store):
 
     def _k(self, key: str) -> str:
         return f"{self.prefix}/{key}"
-
-    def clone(self) -> PrefixStore:
-        """The same namespace over a clone of the underlying store; closing the clone closes
-        that underlying clone too (it belongs to nobody else)."""
-        inner = self.store.clone()
-        view = PrefixStore(inner, self.prefix)
-        if inner is not self.store:
-            view.close = inner.close  # type: ignore[method-assign]
-        return view
 
     def set(self, key: str, value: bytes) -> None:
         self.store.set(self._k(key), value)

@@ -17,7 +17,8 @@ computation); allgather, all-to-all, gather and scatter finish before returning.
 completed on a small pool, never on shoal's engine thread, so callbacks (DDP comm hooks) may
 issue and wait on collectives. Every group (the default one, ``new_group`` subsets) is its own
 shoal communicator, met through the c10d store torch hands over, so any ``init_method`` and
-any launcher (or none) works. Not supported yet: send/recv.
+any launcher (or none) works. send/recv go over the group's own point-to-point
+connections (see :mod:`shoal.core.p2p`).
 """
 
 from __future__ import annotations
@@ -170,6 +171,13 @@ class ShoalWork(dist.Work):
         if self._error is not None:
             raise self._error
         return True
+
+    def _source_rank(self) -> int:
+        """The sender of a finished receive (``dist.recv`` without ``src`` returns it)."""
+        source = getattr(self, "source_rank", None)
+        if source is None or source() is None:
+            raise RuntimeError("shoal backend: _source_rank() is only defined for receives")
+        return int(source())
 
     def get_future(self) -> torch.futures.Future:
         """The future of this work's output tensors."""
@@ -420,16 +428,38 @@ class ShoalProcessGroup(dist.ProcessGroup):
         _fill(output_tensors[:1], self._exchange(data, splits))
         return self._done(list(output_tensors), output_tensors)
 
+    # -- point to point -------------------------------------------------------------------
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> ShoalWork:
-        """Not supported: shoal has collectives only."""
-        raise NotImplementedError("shoal backend: send/recv are not supported; use "
-                                  "broadcast, scatter or all_to_all_single instead")
+        """Send ``tensors[0]`` to rank ``dst`` (matched in order with ``dst``'s receives of
+        the same tag)."""
+        (tensor,) = tensors
+        st, raw = _raw(tensor)
+        handle = self._comm.send(raw, dst, tag)
+        return self._p2p_work(handle, lambda: [st.tensor], tensor)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> ShoalWork:
-        """Not supported: shoal has collectives only."""
-        return self.send(tensors, src, tag)
+        """Receive ``tensors[0]`` from rank ``src`` (its size must match the send's)."""
+        return self._recv(tensors, src, tag)
 
-    recv_anysource = recv
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> ShoalWork:
+        """Receive ``tensors[0]`` from whichever rank sends first with ``tag``."""
+        return self._recv(tensors, None, tag)
+
+    def _recv(self, tensors: list[torch.Tensor], src: int | None, tag: int) -> ShoalWork:
+        (tensor,) = tensors
+        st, raw = _raw(tensor)
+        handle = self._comm.recv(raw, src, tag)
+
+        def finish() -> list[torch.Tensor]:
+            st.finish()
+            return [tensor]
+        return self._p2p_work(handle, finish, tensor)
+
+    def _p2p_work(self, handle: Any, finish: Callable[[], Any],
+                  tensor: torch.Tensor) -> ShoalWork:
+        work = ShoalWork([handle], finish, [tensor.device], self._timeout)
+        work.source_rank = lambda: handle.source  # type: ignore[attr-defined]
+        return work
 
 
 def _advertised_host(store: Any) -> str:

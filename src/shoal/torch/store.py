@@ -21,16 +21,6 @@ class C10dStore(Store):
         self.store = store
         self.timeout = timeout
 
-    def clone(self) -> Store:
-        """A clone of the torch store (its own connection for a TCPStore)."""
-        try:
-            return C10dStore(self.store.clone(), self.timeout)
-        except RuntimeError:  # a store that cannot be cloned is shared
-            return self
-
-    def close(self) -> None:
-        """Nothing to release: torch owns the store (a clone is freed with its last user)."""
-
     def set(self, key: str, value: bytes) -> None:
         self.store.set(key, bytes(value))
 

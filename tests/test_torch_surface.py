@@ -1,0 +1,67 @@
+"""The rest of the c10d ProcessGroup surface on backend "shoal": point-to-point (send/recv,
+isend/irecv, batch_isend_irecv, receive from any source), and what torch's own tests use."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from harness import run_ranks  # noqa: E402
+from test_torch_backend import _init, _rand  # noqa: E402
+
+
+def _p2p(rank: int) -> str:
+    import torch.distributed as dist
+    _init(rank)
+    n = dist.get_world_size()
+    # blocking send/recv to rank 0, which receives from any source and learns the sender
+    if rank == 0:
+        seen = set()
+        for _ in range(n - 1):
+            y = torch.zeros(3, 5)
+            src = dist.recv(y)
+            assert torch.equal(y, _rand("to0", src, (3, 5))), src
+            seen.add(src)
+        assert seen == set(range(1, n))
+    else:
+        dist.send(_rand("to0", rank, (3, 5)), 0)
+    # a ring through batch_isend_irecv, several dtypes and an empty tensor, odd sizes
+    nxt, prv = (rank + 1) % n, (rank - 1) % n
+    cases = [((1001,), torch.float64), ((7, 3), torch.int32), ((0,), torch.float32),
+             ((5,), torch.bfloat16)]
+    ops, outs = [], []
+    for i, (shape, dtype) in enumerate(cases):
+        ops.append(dist.P2POp(dist.isend, _rand(f"ring{i}", rank, shape, dtype), nxt))
+        outs.append(torch.empty(shape, dtype=dtype))
+        ops.append(dist.P2POp(dist.irecv, outs[-1], prv))
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    for i, (shape, dtype) in enumerate(cases):
+        assert torch.equal(outs[i], _rand(f"ring{i}", prv, shape, dtype)), i
+    # tags keep messages apart; a non-contiguous receive buffer is written back
+    if rank == 0:
+        a = dist.isend(torch.tensor([1.0, 2.0]), 1, tag=7)
+        b = dist.isend(torch.tensor([3.0, 4.0]), 1, tag=8)
+        a.wait()
+        b.wait()
+    elif rank == 1:
+        buf = torch.zeros(2, 2)
+        col = buf[:, 1]  # a strided view
+        dist.recv(col, 0, tag=8)
+        first = torch.zeros(2)
+        dist.irecv(first, 0, tag=7).wait()
+        assert buf[:, 1].tolist() == [3.0, 4.0] and first.tolist() == [1.0, 2.0]
+    # errors: a bad peer is refused at once, and the group stays usable
+    with pytest.raises(ValueError, match="another rank"):
+        dist.distributed_c10d._get_default_group().send([torch.zeros(1)], n + 3, 0)
+    total = torch.tensor([float(rank)])
+    dist.all_reduce(total)
+    assert total.item() == n * (n - 1) / 2
+    dist.destroy_process_group()
+    return "ok"
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_point_to_point(n: int) -> None:
+    assert run_ranks(_p2p, n, timeout=60) == ["ok"] * n
