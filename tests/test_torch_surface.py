@@ -65,3 +65,52 @@ def _p2p(rank: int) -> str:
 @pytest.mark.parametrize("n", [2, 3])
 def test_point_to_point(n: int) -> None:
     assert run_ranks(_p2p, n, timeout=60) == ["ok"] * n
+
+
+def _ops_and_barriers(rank: int) -> str:
+    import time
+
+    import torch.distributed as dist
+    _init(rank)
+    n = dist.get_world_size()
+    # PREMUL_SUM, with a float factor and a tensor factor, through all_reduce and
+    # reduce_scatter_tensor, against the float64 reference
+    for factor in (2.5, torch.tensor([0.25])):
+        op = dist._make_nccl_premul_sum(factor)
+        f = float(factor) if not isinstance(factor, torch.Tensor) else factor.item()
+        x = _rand("premul", rank, (11,), torch.float64)
+        want = f * sum(_rand("premul", r, (11,), torch.float64) for r in range(n))
+        dist.all_reduce(x, op=op)
+        torch.testing.assert_close(x, want)
+        inp = _rand("premul-rs", rank, (3 * n,), torch.float64)
+        out = torch.empty(3, dtype=torch.float64)
+        dist.reduce_scatter_tensor(out, inp, op=op)
+        full = f * sum(_rand("premul-rs", r, (3 * n,), torch.float64) for r in range(n))
+        torch.testing.assert_close(out, full[3 * rank:3 * rank + 3])
+    # monitored_barrier: passes when everyone comes
+    dist.monitored_barrier()
+    dist.monitored_barrier(timeout=5.0, wait_all_ranks=True)
+    # a late rank is named on rank 0; the late ones time out waiting for the release
+    late = {1} if n == 2 else {1, 2}
+    for wait_all in (False, True):
+        if rank in late:
+            time.sleep(2.5)
+        try:
+            dist.monitored_barrier(timeout=__import__("datetime").timedelta(seconds=1),
+                                   wait_all_ranks=wait_all)
+            raise AssertionError("monitored_barrier passed with a late rank")
+        except RuntimeError as exc:
+            if rank == 0:
+                want = ("Ranks 1, 2 failed" if n == 3 and wait_all else
+                        "Ranks 1 failed" if wait_all else "Rank 1 failed")
+                assert want in str(exc), str(exc)
+        dist.barrier()
+    # and after failures, a round where everyone comes passes again
+    dist.monitored_barrier(timeout=10.0)
+    dist.destroy_process_group()
+    return "ok"
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_premul_sum_and_monitored_barrier(n: int) -> None:
+    assert run_ranks(_ops_and_barriers, n, timeout=90) == ["ok"] * n

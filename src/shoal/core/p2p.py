@@ -24,8 +24,8 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -50,6 +50,15 @@ class P2PHandle:
     def __init__(self) -> None:
         self._future: Future = Future()
         self.source: int | None = None
+        self._withdraw: Callable[[], bool] | None = None
+
+    def cancel(self) -> bool:
+        """Withdraw a receive that no message has matched yet (a later message then waits
+        for the next receive); whether it was withdrawn. Sends cannot be cancelled."""
+        if self._withdraw is None or not self._withdraw():
+            return False
+        self._fail(CancelledError("the receive was cancelled"))
+        return True
 
     def _resolve(self, peer: int) -> None:
         self.source = peer
@@ -81,7 +90,7 @@ class P2PHandle:
         self._future.add_done_callback(lambda _f: fn(self))
 
 
-@dataclass
+@dataclass(eq=False)
 class _Recv:
     src: int | None
     tag: int
@@ -216,6 +225,7 @@ class PeerMessages:
         if src is not None:
             self._check(src, "receive from")
         recv = _Recv(src, int(tag), _bytes(out))
+        recv.handle._withdraw = lambda: self._remove(recv)
         with self._lock:
             self._open()
             held = next((i for i, m in enumerate(self._held)
@@ -229,6 +239,13 @@ class PeerMessages:
         elif lost is not None:
             recv.handle._fail(lost)
         return recv.handle
+
+    def _remove(self, recv: _Recv) -> bool:
+        with self._lock:
+            if recv in self._posted:
+                self._posted.remove(recv)
+                return True
+        return False
 
     # -- sending ---------------------------------------------------------------------------
     def send(self, data: np.ndarray, dst: int, tag: int = 0) -> P2PHandle:

@@ -24,6 +24,7 @@ connections (see :mod:`shoal.core.p2p`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import threading
@@ -58,6 +59,7 @@ _OPS = {dist.ReduceOp.RedOpType.SUM: shoal.Sum, dist.ReduceOp.RedOpType.AVG: sho
         dist.ReduceOp.RedOpType.BOR: shoal.ReduceOp.BOR,
         dist.ReduceOp.RedOpType.BXOR: shoal.ReduceOp.BXOR}
 _BOOL_OPS = {shoal.Sum: shoal.Max, shoal.Product: shoal.Min}  # c10d's bool semantics
+_MONITOR_TAG = -0x5348  # monitored_barrier's messages (user tags are not negative)
 _RS = c10d.ReduceScatterOptions()  # c10d's defaults, never modified here
 _Tensors = list[torch.Tensor]
 _registered = False
@@ -199,6 +201,7 @@ class ShoalProcessGroup(dist.ProcessGroup):
         self._timeout = timeout
         self._seq = 0
         self._slots: dict[int, ShoalWork] = {}
+        self._monitor = 0  # monitored_barrier rounds
         self._lock = threading.Lock()
 
     @property
@@ -244,9 +247,15 @@ class ShoalProcessGroup(dist.ProcessGroup):
     def _reduce_async(self, tensors: Sequence[torch.Tensor], op: dist.ReduceOp,
                       copy: Sequence[bool] = ()) -> tuple[int, list[Staged], list[Any]]:
         kind = op.op if hasattr(op, "op") else op
+        prescale = 1.0
+        if kind == dist.ReduceOp.RedOpType.PREMUL_SUM:  # sum of factor * input
+            factor = op.factor
+            prescale = float(factor.item() if isinstance(factor, torch.Tensor) else factor)
+            kind = dist.ReduceOp.RedOpType.SUM
         if kind not in _OPS:
-            raise NotImplementedError(f"shoal backend: reduce op {kind} is not supported "
-                                      f"(use SUM, AVG, MIN, MAX, PRODUCT, BAND, BOR or BXOR)")
+            raise NotImplementedError(f"shoal backend: reduce op {kind} is not supported (use "
+                                      f"SUM, AVG, MIN, MAX, PRODUCT, PREMUL_SUM, BAND, BOR or "
+                                      f"BXOR)")
         slot, names = self._names(len(tensors))
         staged, handles = [], []
         for i, (tensor, name) in enumerate(zip(tensors, names, strict=True)):
@@ -258,7 +267,8 @@ class ShoalProcessGroup(dist.ProcessGroup):
             # each torch.distributed call is its own collective (DDP's are buckets already):
             # started at once, not held back a cycle for fusion
             handles.append(self._comm.allreduce_async(st.array, sop, name=name, out=st.array,
-                                                 bf16=st.bf16, fused=True))
+                                                      bf16=st.bf16, fused=True,
+                                                      prescale_factor=prescale))
         return slot, staged, handles
 
     def allreduce(self, tensors: list[torch.Tensor],
@@ -344,6 +354,52 @@ class ShoalProcessGroup(dist.ProcessGroup):
         slot, (name,) = self._names(1)
         handle = self._comm.allreduce_async(np.zeros(1, np.int32), shoal.Sum, name=name)
         return self._work(slot, [handle], list)
+
+    def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
+        """gloo's ``monitored_barrier``: rank 0 waits up to ``timeout`` for every other rank
+        and raises ``RuntimeError`` naming the first one (every one, with
+        ``wait_all_ranks``) that did not arrive; the others wait for rank 0's release."""
+        secs = _seconds(timeout) or self._timeout or 1800.0
+        me, n = self.rank(), self.size()
+        with self._lock:
+            self._monitor += 1
+            token = np.array([self._monitor], np.int64)  # tokens of failed rounds are stale
+
+        def receive(src: int, deadline: float) -> bool:
+            """The token of this round from ``src`` before ``deadline``; stale ones skipped."""
+            while True:
+                got = np.zeros(1, np.int64)
+                handle = self._comm.recv(got, src, _MONITOR_TAG)
+                try:
+                    handle.wait(max(0.0, deadline - time.monotonic()))
+                except TimeoutError:
+                    if handle.cancel():
+                        return False
+                    handle.wait()  # it matched just now
+                if got[0] == token[0]:
+                    return True
+
+        if me != 0:
+            self._comm.send(token, 0, _MONITOR_TAG).wait(secs)
+            if not receive(0, time.monotonic() + secs):
+                raise RuntimeError(f"Rank {me} timed out in monitoredBarrier waiting for rank "
+                                   f"0 after {secs:g}s")
+            return
+        deadline = time.monotonic() + secs
+        missing = []
+        for r in range(1, n):
+            if not receive(r, deadline):
+                missing.append(r)
+                if not wait_all_ranks:
+                    break
+        if missing:
+            if wait_all_ranks:
+                raise RuntimeError(f"[Rank 0]: Ranks {', '.join(map(str, missing))} failed to pass "
+                                   f"monitoredBarrier in {secs * 1000:.0f} ms")
+            raise RuntimeError(f"[Rank 0]: Rank {missing[0]} failed to pass monitoredBarrier in "
+                               f"{secs * 1000:.0f} ms")
+        for r in range(1, n):
+            self._comm.send(token, r, _MONITOR_TAG).wait(secs)
 
     def allgather(self, output_tensors: list[list[torch.Tensor]],
                   input_tensors: list[torch.Tensor],
@@ -505,4 +561,31 @@ def register() -> None:
         return
     dist.Backend.register_backend(BACKEND, _create, extended_api=True,
                                   devices=["cpu", "cuda"])
+    _admit_monitored_barrier()
     _registered = True
+
+
+def _admit_monitored_barrier() -> None:
+    """``dist.monitored_barrier`` refuses every backend but gloo by name before it calls the
+    group's ``monitored_barrier``; let it through for groups of backend "shoal" (others go
+    to torch's function unchanged)."""
+    c10d_module = dist.distributed_c10d
+    original = c10d_module.monitored_barrier
+    if getattr(original, "_shoal", False):
+        return
+
+    @functools.wraps(original)
+    def monitored_barrier(group: Any = None, timeout: Any = None,
+                          wait_all_ranks: bool = False) -> Any:
+        if dist.get_backend(group) != BACKEND:
+            return original(group, timeout, wait_all_ranks)
+        pg = c10d_module._get_default_group() if group is None else group
+        if c10d_module._rank_not_in_group(pg):
+            return None
+        if isinstance(timeout, float | int):
+            timeout = timedelta(seconds=timeout)
+        return pg.monitored_barrier(timeout, wait_all_ranks=wait_all_ranks)
+
+    monitored_barrier._shoal = True  # type: ignore[attr-defined]
+    c10d_module.monitored_barrier = monitored_barrier
+    dist.monitored_barrier = monitored_barrier
