@@ -134,8 +134,6 @@ def _collectives(rank: int) -> str:
     items = [f"from {rank}", rank, None]
     dist.broadcast_object_list(items, src=n - 1)
     assert items == [f"from {n - 1}", n - 1, None]
-    with pytest.raises(NotImplementedError, match="all_to_all_single"):
-        dist.send(torch.zeros(1), dst=(rank + 1) % n)
     # more calls in flight than name slots: a reused name waits for its previous user
     import shoal.torch.backend as b
     b._WINDOW = 4

@@ -31,7 +31,6 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
 
@@ -43,10 +42,10 @@ from torch._C import _distributed_c10d as c10d
 import shoal
 from shoal.core import config
 from shoal.core.communicator import Communicator, local_address
-from shoal.core.errors import ShoalTimeoutError
 
 from .store import C10dStore
 from .tensors import Staged, stage
+from .work import ShoalWork, _fill, _raw, _seconds
 
 __all__ = ["BACKEND", "ShoalProcessGroup", "ShoalWork", "register"]
 
@@ -63,133 +62,6 @@ _MONITOR_TAG = -0x5348  # monitored_barrier's messages (user tags are not negati
 _RS = c10d.ReduceScatterOptions()  # c10d's defaults, never modified here
 _Tensors = list[torch.Tensor]
 _registered = False
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
-
-
-def _completions() -> ThreadPoolExecutor:
-    """The pool completing futures (a second thread only when a callback blocks)."""
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="shoal-torch-done")
-        return _pool
-
-
-def _seconds(timeout: Any) -> float | None:
-    """A c10d timeout (timedelta, seconds or None; <= 0 means none) in seconds."""
-    if isinstance(timeout, timedelta):
-        timeout = timeout.total_seconds()
-    return None if timeout is None or timeout <= 0 else float(timeout)
-
-
-def _raw(tensor: torch.Tensor) -> tuple[Staged, np.ndarray]:
-    """``tensor`` staged on the host, and its flat bytes (moved as-is: any dtype works)."""
-    st = stage(tensor)
-    return st, st.host.reshape(-1).view(torch.uint8).numpy()
-
-
-def _fill(outs: Sequence[torch.Tensor], raw: np.ndarray) -> None:
-    """Copy consecutive byte ranges of ``raw`` into ``outs`` (any device, any layout)."""
-    sizes = [o.numel() * o.element_size() for o in outs]
-    if sum(sizes) != raw.nbytes:
-        raise ValueError(f"received {raw.nbytes} bytes for outputs of "
-                         f"{sum(sizes)}; output sizes must match what the other ranks send")
-    for out, end, n in zip(outs, np.cumsum(sizes), sizes, strict=True):
-        if n:
-            data = np.ascontiguousarray(raw[end - n:end])
-            out.copy_(torch.from_numpy(data).view(out.dtype).view(out.shape))
-
-
-class ShoalWork(dist.Work):
-    """A c10d work item backed by shoal handles.
-
-    ``get_future()`` completes (on the completion pool) once every handle is done and the
-    results are written back; ``wait(timeout)`` drives the collectives on the calling thread
-    and raises their error, or :class:`shoal.ShoalTimeoutError` past the timeout.
-    """
-
-    def __init__(self, handles: Sequence[shoal.Handle], finish: Callable[[], Any],
-                 devices: Sequence[torch.device] = (), timeout: float | None = None) -> None:
-        super().__init__()
-        cuda = sorted({str(d) for d in devices if d.type == "cuda"})
-        self._future: torch.futures.Future = torch.futures.Future(devices=cuda or None)
-        self._handles = list(handles)
-        self._finish = finish
-        self._timeout = timeout
-        self._done = threading.Event()
-        self._error: BaseException | None = None
-        self._left = len(self._handles)
-        self._lock = threading.Lock()
-        if not self._handles:
-            self._complete()
-        for handle in self._handles:  # the engine thread runs this; it only hands over
-            handle.add_done_callback(self._on_handle)
-
-    def _on_handle(self, _: Any) -> None:
-        with self._lock:
-            self._left -= 1
-            last = self._left == 0
-        if last:
-            _completions().submit(self._complete)
-
-    def _complete(self) -> None:
-        try:
-            for handle in self._handles:
-                exc = handle.exception()
-                if exc is not None:
-                    raise exc
-            value = self._finish()
-        except BaseException as exc:  # delivered through wait() and the future
-            self._error = exc
-            self._future.set_exception(exc)
-        else:
-            self._future.set_result(value)
-        finally:
-            self._done.set()
-
-    def handles_done(self, timeout: float | None = None) -> None:
-        """Wait until shoal has finished this work's collectives (results not yet copied)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for handle in self._handles:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                handle.wait(left)
-            except TimeoutError as exc:
-                raise ShoalTimeoutError(f"torch collective of backend 'shoal' not done "
-                                        f"after {timeout}s") from exc
-
-    def wait(self, timeout: Any = None) -> bool:
-        """Block until done (at most ``timeout``, default the group's); raise its error."""
-        secs = _seconds(timeout)
-        secs = self._timeout if secs is None else secs
-        start = time.monotonic()
-        with contextlib.suppress(Exception):  # a failure: raised below, from the future
-            self.handles_done(secs)
-        left = None if secs is None else max(0.0, secs - (time.monotonic() - start))
-        if not self._done.wait(left):
-            raise ShoalTimeoutError(f"torch collective of backend 'shoal' not done after "
-                                    f"{secs}s")
-        if self._error is not None:
-            raise self._error
-        return True
-
-    def _source_rank(self) -> int:
-        """The sender of a finished receive (``dist.recv`` without ``src`` returns it)."""
-        source = getattr(self, "source_rank", None)
-        if source is None or source() is None:
-            raise RuntimeError("shoal backend: _source_rank() is only defined for receives")
-        return int(source())
-
-    def get_future(self) -> torch.futures.Future:
-        """The future of this work's output tensors."""
-        return self._future
-
-    def is_completed(self) -> bool:
-        """Whether the results are in place (or the work failed)."""
-        return self._done.is_set()
-
-
 class ShoalProcessGroup(dist.ProcessGroup):
     """A c10d process group: its own shoal communicator, built from the store torch gave."""
 
