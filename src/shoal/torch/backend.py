@@ -42,6 +42,7 @@ from torch._C import _distributed_c10d as c10d
 import shoal
 from shoal.core import config
 from shoal.core.communicator import Communicator, local_address
+from shoal.core.store import PrefixStore
 
 from .store import C10dStore
 from .tensors import Staged, stage
@@ -416,7 +417,11 @@ def _create(opts: Any, backend_options: Any = None) -> ShoalProcessGroup:
         members = [int(r) for r in opts.global_ranks_in_group] or list(range(size))
         if default.size > max(members):
             host = default.world.hosts[members[rank]]
-    comm = Communicator.create(C10dStore(opts.store, timeout or cfg.start_timeout_s), rank,
+    store: Any = C10dStore(opts.store, timeout or cfg.start_timeout_s)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is not None:  # torchrun keeps its store across restarts: last attempt's keys
+        store = PrefixStore(store, f"attempt{attempt}")  # must not be read as this one's
+    comm = Communicator.create(store, rank,
                                size, cfg=cfg, secret=cfg.secret, hostname=host,
                                job_id=cfg.job_id or f"torch{os.getpid()}",
                                bind_addr=cfg.bind_addr or _advertised_host(opts.store))
