@@ -114,3 +114,72 @@ def _ops_and_barriers(rank: int) -> str:
 @pytest.mark.parametrize("n", [2, 3])
 def test_premul_sum_and_monitored_barrier(n: int) -> None:
     assert run_ranks(_ops_and_barriers, n, timeout=90) == ["ok"] * n
+
+
+def _train_pair(rank: int, make_ddp, steps: int = 4):
+    """The same model trained twice from the same start, once over a shoal group and once
+    over a gloo group of the same ranks; both final weight lists."""
+    import torch.distributed as dist
+    out = []
+    for group in (dist.group.WORLD, dist.new_group(backend="gloo")):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.ReLU(),
+                                  torch.nn.Linear(16, 16), torch.nn.ReLU(),
+                                  torch.nn.Linear(16, 3))
+        model, opt = make_ddp(net, group)
+        for step in range(steps):
+            x = _rand(f"x{step}", rank, (5, 12))
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+        out.append([p.detach().clone() for p in net.parameters()])
+    return out
+
+
+def _client_features(rank: int) -> str:
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    _init(rank)
+
+    def plain(net, group, **kw):
+        model = DDP(net, process_group=group, **kw)
+        return model, torch.optim.SGD(net.parameters(), lr=0.05)
+
+    def unused(net, group):  # a branch that only some steps use
+        return plain(net, group, find_unused_parameters=True)
+
+    def fp16(net, group):
+        model, opt = plain(net, group)
+        model.register_comm_hook(group, default_hooks.fp16_compress_hook)
+        return model, opt
+
+    def power(net, group):
+        model, opt = plain(net, group)
+        state = powersgd.PowerSGDState(process_group=group, matrix_approximation_rank=1,
+                                       start_powerSGD_iter=2, random_seed=0,
+                                       min_compression_rate=0.5)
+        model.register_comm_hook(state, powersgd.powerSGD_hook)
+        return model, opt
+
+    def zero(net, group):
+        model = DDP(net, process_group=group)
+        return model, ZeroRedundancyOptimizer(net.parameters(), torch.optim.Adam, lr=0.01,
+                                              process_group=group)
+
+    for name, make in [("plain", plain), ("unused", unused), ("fp16", fp16),
+                       ("powersgd", power), ("zero", zero)]:
+        shoal_w, gloo_w = _train_pair(rank, make)
+        for a, b in zip(shoal_w, gloo_w, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+        everyone = [torch.empty_like(shoal_w[0]) for _ in range(dist.get_world_size())]
+        dist.all_gather(everyone, shoal_w[0])
+        assert all(torch.equal(w, everyone[0]) for w in everyone), name
+    dist.destroy_process_group()
+    return "ok"
+
+
+def test_ddp_hooks_unused_parameters_and_zero_match_gloo() -> None:
+    assert run_ranks(_client_features, 2, timeout=120) == ["ok", "ok"]
