@@ -87,6 +87,17 @@ def _ops_and_barriers(rank: int) -> str:
         dist.reduce_scatter_tensor(out, inp, op=op)
         full = f * sum(_rand("premul-rs", r, (3 * n,), torch.float64) for r in range(n))
         torch.testing.assert_close(out, full[3 * rank:3 * rank + 3])
+    # reduce-scatter: bfloat16 blocks, uneven parts (rank r keeps r + 1 elements), AVG
+    inp = _rand("rs-bf16", rank, (2 * n, 3), torch.bfloat16)
+    out = torch.empty(2, 3, dtype=torch.bfloat16)
+    dist.reduce_scatter_tensor(out, inp)
+    want = sum(_rand("rs-bf16", r, (2 * n, 3), torch.bfloat16).float() for r in range(n))
+    torch.testing.assert_close(out.float(), want[2 * rank:2 * rank + 2], rtol=2e-2, atol=2e-2)
+    parts = [_rand(f"rs-uneven{q}", rank, (q + 1,), torch.float64) for q in range(n)]
+    out = torch.empty(rank + 1, dtype=torch.float64)
+    dist.reduce_scatter(out, parts, op=dist.ReduceOp.AVG)
+    want = sum(_rand(f"rs-uneven{rank}", r, (rank + 1,), torch.float64) for r in range(n)) / n
+    torch.testing.assert_close(out, want)
     # monitored_barrier: passes when everyone comes
     dist.monitored_barrier()
     dist.monitored_barrier(timeout=5.0, wait_all_ranks=True)

@@ -59,6 +59,7 @@ _OPS = {dist.ReduceOp.RedOpType.SUM: shoal.Sum, dist.ReduceOp.RedOpType.AVG: sho
         dist.ReduceOp.RedOpType.BOR: shoal.ReduceOp.BOR,
         dist.ReduceOp.RedOpType.BXOR: shoal.ReduceOp.BXOR}
 _BOOL_OPS = {shoal.Sum: shoal.Max, shoal.Product: shoal.Min}  # c10d's bool semantics
+_SCATTER_OPS = {shoal.Sum, shoal.Average, shoal.Min, shoal.Max, shoal.Product}
 _MONITOR_TAG = -0x5348  # monitored_barrier's messages (user tags are not negative)
 _RS = c10d.ReduceScatterOptions()  # c10d's defaults, never modified here
 _Tensors = list[torch.Tensor]
@@ -117,11 +118,12 @@ class ShoalProcessGroup(dist.ProcessGroup):
         return ShoalWork((), lambda: value, [t.device for t in tensors], self._timeout)
 
     # -- reductions ------------------------------------------------------------------------
-    def _reduce_async(self, tensors: Sequence[torch.Tensor], op: dist.ReduceOp,
-                      copy: Sequence[bool] = ()) -> tuple[int, list[Staged], list[Any]]:
+    @staticmethod
+    def _op(op: dist.ReduceOp) -> tuple[Any, float]:
+        """c10d's op as (its kind, a prescale factor): PREMUL_SUM is a SUM of factor * x."""
         kind = op.op if hasattr(op, "op") else op
         prescale = 1.0
-        if kind == dist.ReduceOp.RedOpType.PREMUL_SUM:  # sum of factor * input
+        if kind == dist.ReduceOp.RedOpType.PREMUL_SUM:
             factor = op.factor
             prescale = float(factor.item() if isinstance(factor, torch.Tensor) else factor)
             kind = dist.ReduceOp.RedOpType.SUM
@@ -129,6 +131,11 @@ class ShoalProcessGroup(dist.ProcessGroup):
             raise NotImplementedError(f"shoal backend: reduce op {kind} is not supported (use "
                                       f"SUM, AVG, MIN, MAX, PRODUCT, PREMUL_SUM, BAND, BOR or "
                                       f"BXOR)")
+        return kind, prescale
+
+    def _reduce_async(self, tensors: Sequence[torch.Tensor], op: dist.ReduceOp,
+                      copy: Sequence[bool] = ()) -> tuple[int, list[Staged], list[Any]]:
+        kind, prescale = self._op(op)
         slot, names = self._names(len(tensors))
         staged, handles = [], []
         for i, (tensor, name) in enumerate(zip(tensors, names, strict=True)):
@@ -175,17 +182,40 @@ class ShoalProcessGroup(dist.ProcessGroup):
 
     def reduce_scatter(self, output_tensors: _Tensors, input_tensors: list[_Tensors],
                        opts: c10d.ReduceScatterOptions = _RS) -> ShoalWork:
-        """Reduce ``input_tensors[i]`` (one tensor per rank) and keep this rank's part."""
+        """Reduce ``input_tensors[i]`` (one tensor per rank) and keep this rank's part: a
+        real reduce-scatter (each rank receives only its block) when the parts are equal;
+        uneven parts, bool tensors and bitwise ops go through a full reduction."""
+        kind, prescale = self._op(opts.reduceOp)
         flats = [torch.cat([t.reshape(-1) for t in parts]) for parts in input_tensors]
-        slot, staged, handles = self._reduce_async(flats, opts.reduceOp)
-        me = self.rank()
+        me, n = self.rank(), self.size()
+        even = _OPS[kind] in _SCATTER_OPS and all(
+            len(parts) == n and len({p.numel() for p in parts}) == 1 and
+            p.dtype != torch.bool for parts in input_tensors for p in parts[:1])
+        if not even:
+            slot, staged, handles = self._reduce_async(flats, opts.reduceOp)
 
-        def finish() -> list[torch.Tensor]:
-            for out, st, parts in zip(output_tensors, staged, input_tensors, strict=True):
-                start = sum(p.numel() for p in parts[:me])
-                out.copy_(st.host.reshape(-1)[start:start + out.numel()].view(out.shape))
+            def finish() -> list[torch.Tensor]:
+                for out, st, parts in zip(output_tensors, staged, input_tensors, strict=True):
+                    start = sum(p.numel() for p in parts[:me])
+                    out.copy_(st.host.reshape(-1)[start:start + out.numel()].view(out.shape))
+                return list(output_tensors)
+            return self._work(slot, handles, finish, output_tensors)
+        slot, names = self._names(len(flats))
+        handles, flags = [], []
+        for flat, name in zip(flats, names, strict=True):
+            st = stage(flat)
+            flags.append(st.bf16)
+            handles.append(self._comm.reducescatter_async(
+                st.array.reshape(n, -1), _OPS[kind], name=name, bf16=st.bf16,
+                prescale_factor=prescale))
+
+        def scattered() -> list[torch.Tensor]:
+            for out, handle, bf16 in zip(output_tensors, handles, flags, strict=True):
+                block = torch.from_numpy(handle.wait().reshape(-1))
+                block = block.view(torch.bfloat16) if bf16 else block
+                out.copy_(block.view(out.shape))
             return list(output_tensors)
-        return self._work(slot, handles, finish, output_tensors)
+        return self._work(slot, handles, scattered, output_tensors)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
                               opts: c10d.ReduceScatterOptions = _RS) -> ShoalWork:
