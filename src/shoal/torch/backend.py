@@ -87,6 +87,16 @@ class ShoalProcessGroup(dist.ProcessGroup):
         """Close the group's communicator (``destroy_process_group`` calls this)."""
         self._comm.close()
 
+    def _set_group_name(self, name: str) -> None:
+        """c10d names the group after creating it (kept here: this group has no C++ backend
+        to hold it)."""
+        self._group_name = name
+
+    @property
+    def group_name(self) -> str:
+        """The name c10d gave this group (``destroy_process_group(group)`` looks it up)."""
+        return getattr(self, "_group_name", None) or f"shoal-{self._group}"
+
     def getBackendName(self) -> str:  # noqa: N802 (c10d's name)
         """``"shoal"``."""
         return BACKEND
@@ -325,6 +335,14 @@ class ShoalProcessGroup(dist.ProcessGroup):
         for out, inp, name in zip(outputs, inputs, names, strict=True):
             _fill([out], self._comm.allgather(_raw(inp)[1], name=name))
         return self._done(list(outputs), outputs)
+
+    def allgather_coalesced(self, output_lists: list[_Tensors], input_tensors: _Tensors,
+                            opts: Any = None) -> ShoalWork:
+        """``all_gather_coalesced``: ``output_lists[r][i]`` receives rank r's
+        ``input_tensors[i]``."""
+        per_tensor = [[outs[i] for outs in output_lists] for i in range(len(input_tensors))]
+        self.allgather(per_tensor, input_tensors)
+        return self._done(list(output_lists), [t for o in output_lists for t in o])
 
     _allgather_base = all_gather_single
     allgather_into_tensor_coalesced = all_gather_single_coalesced
