@@ -152,11 +152,11 @@ def _client_features(rank: int) -> str:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
     from torch.distributed.optim import ZeroRedundancyOptimizer
-    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.nn.parallel import DistributedDataParallel
     _init(rank)
 
     def plain(net, group, **kw):
-        model = DDP(net, process_group=group, **kw)
+        model = DistributedDataParallel(net, process_group=group, **kw)
         return model, torch.optim.SGD(net.parameters(), lr=0.05)
 
     def unused(net, group):  # a branch that only some steps use
@@ -176,7 +176,7 @@ def _client_features(rank: int) -> str:
         return model, opt
 
     def zero(net, group):
-        model = DDP(net, process_group=group)
+        model = DistributedDataParallel(net, process_group=group)
         return model, ZeroRedundancyOptimizer(net.parameters(), torch.optim.Adam, lr=0.01,
                                               process_group=group)
 
