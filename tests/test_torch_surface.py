@@ -20,12 +20,12 @@ def _p2p(rank: int) -> str:
         seen = set()
         for _ in range(n - 1):
             y = torch.zeros(3, 5)
-            src = dist.recv(y)
+            src = dist.recv(y, tag=3)  # the ring below sends to rank 0 with tag 0
             assert torch.equal(y, _rand("to0", src, (3, 5))), src
             seen.add(src)
         assert seen == set(range(1, n))
     else:
-        dist.send(_rand("to0", rank, (3, 5)), 0)
+        dist.send(_rand("to0", rank, (3, 5)), 0, tag=3)
     # a ring through batch_isend_irecv, several dtypes and an empty tensor, odd sizes
     nxt, prv = (rank + 1) % n, (rank - 1) % n
     cases = [((1001,), torch.float64), ((7, 3), torch.int32), ((0,), torch.float32),

@@ -80,16 +80,21 @@ class ShoalWork(dist.Work):
         self._error: BaseException | None = None
         self._left = len(self._handles)
         self._lock = threading.Lock()
+        self._starting = True  # callbacks now run on the caller's thread: finish inline
         if not self._handles:
             self._complete()
         for handle in self._handles:  # the engine thread runs this; it only hands over
             handle.add_done_callback(self._on_handle)
+        self._starting = False
 
     def _on_handle(self, _: Any) -> None:
         with self._lock:
             self._left -= 1
             last = self._left == 0
-        if last:
+            inline = self._starting
+        if last and inline:  # done at submission (a group of one): no thread hand-off
+            self._complete()
+        elif last:
             _completions().submit(self._complete)
 
     def _complete(self) -> None:
