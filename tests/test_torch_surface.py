@@ -194,3 +194,28 @@ def _client_features(rank: int) -> str:
 
 def test_ddp_hooks_unused_parameters_and_zero_match_gloo() -> None:
     assert run_ranks(_client_features, 2, timeout=120) == ["ok", "ok"]
+
+
+def _barrier_timeouts(rank: int) -> str:
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    _init(rank)
+    group = dist.new_group(timeout=timedelta(seconds=1))  # the group's timeout bounds waits
+    if rank == 0:
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="Timed out waiting 1000ms"):
+            dist.barrier(group)
+        assert time.monotonic() - start < 20
+        wide = dist.new_group(timeout=timedelta(seconds=300))  # a per-call timeout wins
+        with pytest.raises(RuntimeError, match="Timed out waiting 200ms"):
+            dist.barrier(wide, timeout=timedelta(milliseconds=200))
+    else:
+        dist.new_group(timeout=timedelta(seconds=300))
+    dist.destroy_process_group()
+    return "ok"
+
+
+def test_barrier_timeouts_are_the_groups_or_the_calls() -> None:
+    assert run_ranks(_barrier_timeouts, 2, timeout=60) == ["ok", "ok"]

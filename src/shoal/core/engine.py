@@ -165,10 +165,15 @@ class Engine:
             raise ShoalError(f"rank {self.rank}: shoal is shutting down")
 
     def wait(self, future: Future, timeout: float | None = None) -> Any:
-        """Drive rounds on this thread while it is free, until ``future`` is done."""
+        """Drive rounds on this thread while it is free, until ``future`` is done. With a
+        ``timeout`` the engine's thread drives them instead: a round waits for every rank
+        to join it, so one driven here could outlast the deadline."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        if deadline is not None:
+            with self._cv:
+                self._cv.notify()
         while not future.done():
-            if self._run.acquire(blocking=False):
+            if deadline is None and self._run.acquire(blocking=False):
                 try:
                     if not future.done() and self._broken is None:
                         self._round()

@@ -263,10 +263,13 @@ class ShoalProcessGroup(dist.ProcessGroup):
         return self._work(slot, handles, finish, tensors)
 
     def barrier(self, opts: c10d.BarrierOptions = c10d.BarrierOptions()) -> ShoalWork:  # noqa: B008
-        """Complete once every rank has reached the barrier."""
+        """Complete once every rank has reached the barrier (``opts.timeout``, when set,
+        bounds the wait instead of the group's timeout)."""
         slot, (name,) = self._names(1)
         handle = self._comm.allreduce_async(np.zeros(1, np.int32), shoal.Sum, name=name)
-        return self._work(slot, [handle], list)
+        work = self._work(slot, [handle], list)
+        work._timeout = _seconds(opts.timeout) or work._timeout
+        return work
 
     def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
         """gloo's ``monitored_barrier``: rank 0 waits up to ``timeout`` for every other rank

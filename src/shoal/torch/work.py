@@ -60,6 +60,11 @@ def _fill(outs: Sequence[torch.Tensor], raw: np.ndarray) -> None:
             out.copy_(torch.from_numpy(data).view(out.dtype).view(out.shape))
 
 
+def _timed_out(secs: float | None) -> str:
+    return (f"Timed out waiting {(secs or 0) * 1000:.0f}ms for a torch collective of backend "
+            f"'shoal' to complete (a rank that has not joined it is slow, stuck or dead)")
+
+
 class ShoalWork(dist.Work):
     """A c10d work item backed by shoal handles.
 
@@ -120,8 +125,7 @@ class ShoalWork(dist.Work):
             try:
                 handle.wait(left)
             except TimeoutError as exc:
-                raise ShoalTimeoutError(f"torch collective of backend 'shoal' not done "
-                                        f"after {timeout}s") from exc
+                raise ShoalTimeoutError(_timed_out(timeout)) from exc
 
     def wait(self, timeout: Any = None) -> bool:
         """Block until done (at most ``timeout``, default the group's); raise its error."""
@@ -132,8 +136,7 @@ class ShoalWork(dist.Work):
             self.handles_done(secs)
         left = None if secs is None else max(0.0, secs - (time.monotonic() - start))
         if not self._done.wait(left):
-            raise ShoalTimeoutError(f"torch collective of backend 'shoal' not done after "
-                                    f"{secs}s")
+            raise ShoalTimeoutError(_timed_out(secs))
         if self._error is not None:
             raise self._error
         return True
