@@ -275,7 +275,10 @@ class ShoalProcessGroup(dist.ProcessGroup):
         """gloo's ``monitored_barrier``: rank 0 waits up to ``timeout`` for every other rank
         and raises ``RuntimeError`` naming the first one (every one, with
         ``wait_all_ranks``) that did not arrive; the others wait for rank 0's release."""
-        secs = _seconds(timeout) or self._timeout or 1800.0
+        if isinstance(timeout, timedelta):  # zero is a deadline already passed, not "none"
+            secs = max(0.0, timeout.total_seconds())
+        else:
+            secs = _seconds(timeout) or self._timeout or 1800.0
         me, n = self.rank(), self.size()
         with self._lock:
             self._monitor += 1
@@ -298,12 +301,18 @@ class ShoalProcessGroup(dist.ProcessGroup):
         if me != 0:
             self._comm.send(token, 0, _MONITOR_TAG).wait(secs)
             if not receive(0, time.monotonic() + secs):
-                raise RuntimeError(f"Rank {me} timed out in monitoredBarrier waiting for rank "
-                                   f"0 after {secs:g}s")
+                raise RuntimeError(f"Rank {me} successfully reached monitoredBarrier, but "
+                                   f"received errors while waiting for send/recv from rank "
+                                   f"0 (no release within {secs * 1000:.0f} ms)")
             return
         deadline = time.monotonic() + secs
-        missing = []
+        missing: list[int] = []
         for r in range(1, n):
+            if deadline - time.monotonic() <= 0 and not missing:
+                passed = list(range(1, r))
+                raise RuntimeError(f"Rank 0 timed out in monitoredBarrier after "
+                                   f"{secs * 1000:.0f} ms. Successfully processed ranks: "
+                                   f"{', '.join(map(str, passed)) or 'none'}")
             if not receive(r, deadline):
                 missing.append(r)
                 if not wait_all_ranks:
