@@ -98,6 +98,15 @@ def _ops_and_barriers(rank: int) -> str:
     dist.reduce_scatter(out, parts, op=dist.ReduceOp.AVG)
     want = sum(_rand(f"rs-uneven{rank}", r, (rank + 1,), torch.float64) for r in range(n)) / n
     torch.testing.assert_close(out, want)
+    # sparse COO all_reduce: indices gathered from every rank, values summed, coalesced
+    sp = torch.sparse_coo_tensor(torch.tensor([[rank, 4]]), torch.tensor([1.0 + rank, 2.0]),
+                                 (6,))
+    dist.all_reduce(sp)
+    want = torch.zeros(6)
+    for r in range(n):
+        want[r] += 1.0 + r
+        want[4] += 2.0
+    assert sp.is_sparse and torch.equal(sp.to_dense(), want)
     # monitored_barrier: passes when everyone comes
     dist.monitored_barrier()
     dist.monitored_barrier(timeout=5.0, wait_all_ranks=True)
@@ -118,6 +127,9 @@ def _ops_and_barriers(rank: int) -> str:
         dist.barrier()
     # and after failures, a round where everyone comes passes again
     dist.monitored_barrier(timeout=10.0)
+    if rank == 0:  # a zero timeout has expired before anyone is waited for
+        with pytest.raises(RuntimeError, match="Rank 0 timed out in monitoredBarrier"):
+            dist.monitored_barrier(timeout=__import__("datetime").timedelta(seconds=0))
     dist.destroy_process_group()
     return "ok"
 

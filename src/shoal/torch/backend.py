@@ -164,6 +164,8 @@ class ShoalProcessGroup(dist.ProcessGroup):
     def allreduce(self, tensors: list[torch.Tensor],
                   opts: c10d.AllreduceOptions = c10d.AllreduceOptions()) -> ShoalWork:  # noqa: B008
         """Reduce each tensor across ranks, in place (a list is reduced tensor by tensor)."""
+        if any(t.is_sparse for t in tensors):
+            return self._sparse_allreduce(tensors, opts.reduceOp)
         slot, staged, handles = self._reduce_async(tensors, opts.reduceOp)
 
         def finish() -> list[torch.Tensor]:
@@ -171,6 +173,28 @@ class ShoalProcessGroup(dist.ProcessGroup):
                 st.finish()
             return list(tensors)
         return self._work(slot, handles, finish, tensors)
+
+    def _sparse_allreduce(self, tensors: _Tensors, op: dist.ReduceOp) -> ShoalWork:
+        """Sparse COO tensors (gloo's sparse allreduce): every rank's indices and values are
+        gathered and summed, the result coalesced into the tensor in place."""
+        kind, prescale = self._op(op)
+        if _OPS[kind] not in (shoal.Sum, shoal.Average):
+            raise NotImplementedError(f"rank {self.rank()}: sparse all_reduce supports SUM, "
+                                      f"AVG and PREMUL_SUM, not {kind}")
+        _, names = self._names(2 * len(tensors))
+        for i, tensor in enumerate(tensors):
+            t = tensor.coalesce()
+            idx = t.indices().t().contiguous()
+            vals = t.values().contiguous()
+            got_idx = self._comm.allgather(idx.numpy(), name=names[2 * i])
+            got_vals = self._comm.allgather(vals.numpy(), name=names[2 * i + 1])
+            total = torch.sparse_coo_tensor(torch.from_numpy(got_idx).t(),
+                                            torch.from_numpy(got_vals) * prescale,
+                                            t.size()).coalesce()
+            if _OPS[kind] is shoal.Average:
+                total = total / self.size()
+            tensor.copy_(total)
+        return self._done(list(tensors))
 
     def allreduce_coalesced(self, tensors: _Tensors, opts: Any = None) -> ShoalWork:
         """Same as :meth:`allreduce` (shoal fuses the tensors itself)."""

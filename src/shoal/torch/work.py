@@ -61,8 +61,8 @@ def _fill(outs: Sequence[torch.Tensor], raw: np.ndarray) -> None:
 
 
 def _timed_out(secs: float | None) -> str:
-    return (f"Timed out waiting {(secs or 0) * 1000:.0f}ms for a torch collective of backend "
-            f"'shoal' to complete (a rank that has not joined it is slow, stuck or dead)")
+    return (f"backend 'shoal': Timed out waiting {(secs or 0) * 1000:.0f}ms for a torch "
+            f"collective to complete (a rank that has not joined it is slow, stuck or dead)")
 
 
 class ShoalWork(dist.Work):
