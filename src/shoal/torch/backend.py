@@ -15,10 +15,13 @@ disagree on a call's kind, shape or dtype get :class:`shoal.CollectiveMismatchEr
 allreduce, reduce, broadcast, reduce-scatter and barrier are asynchronous (they overlap
 computation); allgather, all-to-all, gather and scatter finish before returning. Futures are
 completed on a small pool, never on shoal's engine thread, so callbacks (DDP comm hooks) may
-issue and wait on collectives. Every group (the default one, ``new_group`` subsets) is its own
+issue and wait on collectives (a work done at submission, in a group of one, completes on the
+caller's thread). Every group (the default one, ``new_group`` subsets) is its own
 shoal communicator, met through the c10d store torch hands over, so any ``init_method`` and
-any launcher (or none) works. send/recv go over the group's own point-to-point
-connections (see :mod:`shoal.core.p2p`).
+any launcher (or none) works; under torchrun each restart meets on keys of its own. send/recv
+(any source too) go over the group's own point-to-point connections (see
+:mod:`shoal.core.p2p`). ``register()`` also lets ``dist.monitored_barrier``, which refuses
+every backend not named gloo, through to groups of this backend.
 """
 
 from __future__ import annotations
