@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import socket
+import time
 
-from .errors import PeerLostError
+from .errors import PeerLostError, RendezvousError
 
-__all__ = ["connect", "recv_exact", "recv_into_exact", "tune_socket"]
+__all__ = ["connect", "dial_until", "recv_exact", "recv_into_exact", "tune_socket"]
 
 
 def recv_into_exact(sock: socket.socket, view: memoryview, what: str = "peer",
@@ -49,3 +50,17 @@ def connect(addr: str, port: int, timeout: float) -> socket.socket:
     sock = socket.create_connection((addr, port), timeout=timeout)
     sock.settimeout(timeout)
     return sock
+
+
+def dial_until(addr: tuple[str, int], deadline: float, timeout: float, what: str) -> socket.socket:
+    """Connect to ``addr``, retrying with back-off while it refuses, until the monotonic
+    ``deadline``; :class:`RendezvousError` naming ``what`` after that."""
+    delay = 0.01
+    while True:
+        try:
+            return socket.create_connection(addr, timeout=timeout)
+        except OSError as exc:
+            if time.monotonic() + delay > deadline:
+                raise RendezvousError(f"{what} at {addr[0]}:{addr[1]}: {exc}") from None
+            time.sleep(delay)
+            delay = min(delay * 2, 0.5)

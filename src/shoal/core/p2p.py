@@ -32,7 +32,7 @@ import numpy as np
 
 from .auth import client_handshake, server_handshake
 from .errors import AuthenticationError, PeerLostError, RendezvousError, ShoalTimeoutError
-from .netutil import recv_exact, recv_into_exact, tune_socket
+from .netutil import dial_until, recv_exact, recv_into_exact, tune_socket
 
 __all__ = ["P2PHandle", "PeerMessages"]
 
@@ -279,20 +279,9 @@ class PeerMessages:
         handle._resolve(dst)
 
     def _dial(self, dst: int) -> socket.socket:
-        addr = self._peers[dst]
-        deadline = time.monotonic() + self._connect_timeout
-        delay = 0.01
-        while True:
-            try:
-                sock = socket.create_connection(addr, timeout=self._connect_timeout)
-                break
-            except OSError as exc:
-                if time.monotonic() + delay > deadline:
-                    raise RendezvousError(f"rank {self.rank}: cannot open a point-to-point "
-                                          f"connection to rank {dst} at {addr[0]}:{addr[1]}: "
-                                          f"{exc}") from None
-                time.sleep(delay)
-                delay = min(delay * 2, 0.5)
+        sock = dial_until(self._peers[dst], time.monotonic() + self._connect_timeout,
+                          self._connect_timeout, f"rank {self.rank}: cannot open a "
+                          f"point-to-point connection to rank {dst}")
         tune_socket(sock, self._buffer_bytes)
         client_handshake(sock, self._secret, _ROLE)
         sock.sendall(_RANK.pack(self.rank))

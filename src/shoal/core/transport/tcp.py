@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from ..auth import client_handshake, server_handshake
 from ..errors import AuthenticationError, PeerLostError, RendezvousError, ShoalError
 from ..liveness import Liveness
-from ..netutil import recv_exact, tune_socket
+from ..netutil import dial_until, recv_exact, tune_socket
 
 __all__ = ["TcpMesh"]
 
@@ -75,17 +75,8 @@ class TcpMesh:
             sock.setblocking(False)
 
     def _dial(self, peer: int, addr: tuple[str, int], deadline: float) -> socket.socket:
-        delay = 0.01
-        while True:
-            try:
-                sock = socket.create_connection(addr, timeout=self.timeout)
-                break
-            except OSError as exc:
-                if time.monotonic() + delay > deadline:
-                    raise RendezvousError(f"rank {self.rank}: cannot connect to rank {peer} at "
-                                          f"{addr[0]}:{addr[1]}: {exc}") from None
-                time.sleep(delay)
-                delay = min(delay * 2, 0.5)
+        sock = dial_until(addr, deadline, self.timeout,
+                          f"rank {self.rank}: cannot connect to rank {peer}")
         tune_socket(sock, self._buffer_bytes)
         client_handshake(sock, self._secret, _ROLE)
         sock.sendall(_RANK.pack(self.rank))
