@@ -13,6 +13,11 @@ mixin averages them across ranks there, as one grouped allreduce (one graph op i
 compiled train function). So clipping sees the global gradient (Horovod's order), and with
 ``backward_passes_per_step=N`` (mapped onto Keras's accumulation) ranks communicate once per
 N batches.
+
+Two cases cannot reduce there, and ``model.fit`` splits its step instead (:mod:`.split`):
+XLA (``jit_compile=True``, Keras's default on a GPU: XLA compiles no Python op), and a
+``LossScaleOptimizer`` around this one (``mixed_float16``: its finite check must see the
+reduced gradients, or ranks whose local gradients overflowed would skip the reduction).
 """
 
 from __future__ import annotations
@@ -35,21 +40,26 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Reduction:
-    """How a distributed optimizer reduces its gradients."""
+    """How a distributed optimizer reduces its gradients (Horovod's arguments)."""
 
     name: str
-    compression: Codec = Compression.none
+    compression: Any = Compression.none
     op: ReduceOp = ReduceOp.AVERAGE
     gradient_predivide_factor: float = 1.0
+    sparse_as_dense: bool = False
+    groups: Any = None
+    process_set: Any = None
 
-    def __call__(self, grads: list[Any]) -> list[Any]:
-        """``grads`` reduced across ranks (``None`` entries stay ``None``)."""
-        import shoal
-        if shoal.size() == 1:
+    def __call__(self, grads: list[Any], variables: list[Any] | None = None) -> list[Any]:
+        """``grads`` reduced across the process set (``None`` entries stay ``None``)."""
+        from shoal.core.process_sets import communicator_for
+        if communicator_for(self.process_set).size == 1:
             return list(grads)
         from shoal.tensorflow.tape import reduce_gradients
-        return reduce_gradients(list(grads), compression=self.compression, op=self.op,
+        return reduce_gradients(list(grads), variables, compression=self.compression,
+                                sparse_as_dense=self.sparse_as_dense, op=self.op,
                                 gradient_predivide_factor=self.gradient_predivide_factor,
+                                groups=self.groups, process_set=self.process_set,
                                 name=self.name)
 
 
@@ -57,13 +67,26 @@ class DistributedOptimizerMixin:
     """Averages the gradients of every update across ranks (see the module docstring).
 
     An instance made by ``from_config`` (a reloaded model) averages without compression.
+    While ``_shoal_reduced`` is set (by :mod:`.split`, which reduced the gradients already,
+    outside XLA), updates use the gradients as given.
     """
 
     _shoal_reduction: Reduction | None = None
+    _shoal_reduced: bool = False
+    _shoal_variables: Any = None
+
+    def apply(self, grads: Any, trainable_variables: Any = None) -> Any:
+        self._shoal_variables = trainable_variables  # for groups= given as variables
+        return super().apply(grads, trainable_variables)  # type: ignore[misc]
 
     def _clip_gradients(self, grads: list[Any]) -> list[Any]:
-        reduce = self._shoal_reduction or Reduction(type(self).__name__)
-        return super()._clip_gradients(reduce(grads))  # type: ignore[misc]
+        if not self._shoal_reduced:
+            reduce = self._shoal_reduction or Reduction(type(self).__name__)
+            variables = self._shoal_variables
+            if variables is None:
+                variables = getattr(self, "_trainable_variables", None)
+            grads = reduce(list(grads), None if variables is None else list(variables))
+        return super()._clip_gradients(grads)  # type: ignore[misc]
 
 
 _CLASSES: dict[type, type] = {}
@@ -84,22 +107,27 @@ def distributed_class(base: type) -> type:
 
 def create_distributed_optimizer(keras: ModuleType, optimizer: Any, name: str | None = None,
                                  device_dense: str = "", device_sparse: str = "",
-                                 compression: Codec = Compression.none,
+                                 compression: Any = Compression.none,
                                  sparse_as_dense: bool = False,
                                  gradient_predivide_factor: float = 1.0,
                                  op: ReduceOp = ReduceOp.AVERAGE,
                                  backward_passes_per_step: int = 1,
                                  average_aggregated_gradients: bool = True,
                                  num_groups: int = 0, groups: Any = None,
-                                 process_set: Any = None) -> Any:
-    """Wrap a Keras 3 optimizer so that its updates use gradients averaged over all ranks.
+                                 process_set: Any = None,
+                                 scale_local_gradients: bool = True) -> Any:
+    """Wrap a Keras 3 optimizer so that its updates use gradients averaged over the process
+    set (all ranks by default).
 
     ``name`` prefixes the collectives' names: give each distributed optimizer of a process
     its own when several update in the same step. ``backward_passes_per_step=N`` accumulates
     N batches locally (Keras's ``gradient_accumulation_steps``, which averages them) and
-    communicates once. ``device_*``, ``sparse_as_dense``, ``num_groups`` and ``groups`` are
-    accepted for Horovod compatibility (reductions run on the host, sparse gradients are
-    densified, the engine chooses fusion groups).
+    communicates once. ``groups`` (a number, or lists of variables reduced together) and
+    ``num_groups`` split the reduction into several grouped allreduces; ``sparse_as_dense``
+    densifies ``IndexedSlices`` first (otherwise they are allgathered, as Horovod does);
+    ``gradient_predivide_factor`` divides before the sum and the rest after. ``device_*``
+    are accepted and ignored (reductions run on the host). With ``jit_compile=True`` or a
+    loss-scale optimizer around it, ``model.fit`` splits its step (:mod:`.split`).
     """
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a keras.optimizers.Optimizer, not "
@@ -115,18 +143,22 @@ def create_distributed_optimizer(keras: ModuleType, optimizer: Any, name: str | 
     if not callable(getattr(keras.optimizers.Optimizer, "_clip_gradients", None)):
         raise NotImplementedError(f"Keras {keras.__version__} has no Optimizer._clip_gradients, "
                                   f"where shoal reduces gradients; use Keras 3.0 to 3.15")
-    if process_set is not None:
-        raise NotImplementedError("process sets are not supported yet")
     if backward_passes_per_step < 1:
         raise ValueError("backward_passes_per_step must be >= 1")
     if not average_aggregated_gradients and backward_passes_per_step > 1:
         raise NotImplementedError("average_aggregated_gradients=False is not supported: Keras "
                                   "averages the accumulated gradients")
+    if num_groups and groups is not None:
+        raise ValueError("pass either num_groups or groups, not both")
     if optimizer.built:
         raise ValueError("wrap the optimizer in DistributedOptimizer before it is built (before "
                          "model.fit or optimizer.apply): its state would be lost")
-    from shoal.tensorflow.ops import reduction
-    reduction(op, None, gradient_predivide_factor)  # validate now
+    op = ReduceOp(op)
+    if gradient_predivide_factor != 1.0 and op != ReduceOp.AVERAGE:
+        raise ValueError("gradient_predivide_factor only applies to op=Average")
+    if process_set is not None:
+        from shoal.core.process_sets import communicator_for
+        communicator_for(process_set)  # registered, and this rank is a member
     config = optimizer.get_config()
     if backward_passes_per_step > 1:
         if config.get("gradient_accumulation_steps"):
@@ -134,8 +166,12 @@ def create_distributed_optimizer(keras: ModuleType, optimizer: Any, name: str | 
                              "gradient_accumulation_steps, not both")
         config["gradient_accumulation_steps"] = backward_passes_per_step
     wrapped = distributed_class(type(optimizer)).from_config(config)
-    wrapped._shoal_reduction = Reduction(name or f"Distributed{type(optimizer).__name__}",
-                                         compression, ReduceOp(op), gradient_predivide_factor)
+    wrapped._shoal_reduction = Reduction(
+        name or f"Distributed{type(optimizer).__name__}", compression, op,
+        gradient_predivide_factor, sparse_as_dense,
+        groups if groups is not None else num_groups, process_set)
+    from .split import install
+    install(keras)
     return wrapped
 
 

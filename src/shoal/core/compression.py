@@ -11,12 +11,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from .ops import bf16_to_f32, f32_to_bf16
 
-__all__ = ["Codec", "Compression", "storage_dtype"]
+__all__ = ["Codec", "Compression", "Compressor", "compressors", "storage_dtype",
+           "user_compressor", "wire_codec"]
 
 _COMPRESSIBLE = ("float32", "float64")
 
@@ -76,3 +78,66 @@ class Compression:
         if codec is None:
             raise ValueError(f"unknown compression {name!r}; use none, fp16 or bf16")
         return codec
+
+
+class Compressor:
+    """Horovod's compressor interface (``compress(tensor) -> (tensor, ctx)``,
+    ``decompress(tensor, ctx)``) over a wire codec, written once for every adapter.
+
+    An adapter subclasses it with two tensor functions, :meth:`_logical` (a tensor's dtype
+    name) and :meth:`_cast` (a tensor converted to a dtype name). Given to a collective, shoal
+    applies ``codec`` on the wire instead (accumulating in float32); a user's own object with
+    ``compress``/``decompress`` is applied around the collective, as Horovod does.
+    """
+
+    def __init__(self, codec: Codec) -> None:
+        self.codec = codec
+        self.name = codec.name
+
+    def _logical(self, tensor: Any) -> str:  # pragma: no cover - adapters override
+        raise NotImplementedError
+
+    def _cast(self, tensor: Any, dtype: str) -> Any:  # pragma: no cover - adapters override
+        raise NotImplementedError
+
+    def compress(self, tensor: Any) -> tuple[Any, Any]:
+        """``tensor`` converted for the wire (only float32/float64 change), and its dtype."""
+        logical = self._logical(tensor)
+        if not self.codec.applies(logical):
+            return tensor, None
+        return self._cast(tensor, self.codec.wire_dtype(logical)), logical
+
+    def decompress(self, tensor: Any, ctx: Any) -> Any:
+        """Back to the dtype :meth:`compress` saw."""
+        return tensor if ctx is None else self._cast(tensor, ctx)
+
+    def __repr__(self) -> str:
+        return f"Compression.{self.name}"
+
+
+def compressors(cls: type[Compressor]) -> type:
+    """A ``Compression`` namespace (Horovod's ``none``/``fp16`` plus ``bf16``) of ``cls``."""
+    made = {name: cls(getattr(Compression, name)) for name in ("none", "fp16", "bf16")}
+
+    def by_name(name: str) -> Compressor:
+        """``"fp16"`` -> ``Compression.fp16`` (a clear error for unknown names)."""
+        return made[Compression.by_name(name).name]
+
+    return type("Compression", (), {**made, "by_name": staticmethod(by_name),
+                                    "__doc__": "The built-in compressors (Horovod's names)."})
+
+
+def wire_codec(compression: Any) -> Codec:
+    """The codec a collective applies on the wire for ``compression`` (none for a user's
+    compressor, which is applied around the collective instead)."""
+    if isinstance(compression, Compressor):
+        return compression.codec
+    if isinstance(compression, Codec):
+        return compression
+    return Compression.none
+
+
+def user_compressor(compression: Any) -> bool:
+    """A compressor shoal does not know (applied around the collective, as Horovod does)."""
+    return compression is not None and not isinstance(compression, Compressor | Codec) and \
+        hasattr(compression, "compress") and hasattr(compression, "decompress")

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from .communicator import Communicator
 
 __all__ = ["ProcessSet", "add_process_set", "communicator_for", "global_process_set",
-           "process_set_ids", "remove_process_set"]
+           "process_set_by_id", "process_set_ids", "remove_process_set"]
 
 _lock = threading.RLock()
 _sets: dict[int, ProcessSet] = {}
@@ -150,6 +150,15 @@ def remove_process_set(process_set: ProcessSet) -> bool:
         process_set.comm = None
         process_set.process_set_id = None
         return True
+
+
+def process_set_by_id(process_set_id: int) -> ProcessSet:
+    """The registered set with id ``process_set_id`` (ValueError if there is none)."""
+    with _lock:
+        ps = _sets.get(process_set_id)
+    if ps is None:
+        raise ValueError(f"process set {process_set_id} is not registered")
+    return ps
 
 
 def process_set_ids() -> list[int]:

@@ -17,7 +17,13 @@ graph runs. Two rules make graph collectives safe across ranks:
   control dependency on the previous one: they run in the order they were traced.
 
 XLA cannot compile a Python op: a collective traced inside ``jit_compile=True`` code raises
-a :class:`~shoal.ShoalError` that says so, rather than failing later inside XLA.
+a :class:`~shoal.ShoalError` that says so and names the way out (:mod:`shoal.tensorflow.xla`),
+rather than failing later inside XLA.
+
+Errors keep their shoal type and gain TensorFlow's, as Horovod's ops raise them: a mismatch
+between ranks is also a ``tf.errors.FailedPreconditionError``, a bad argument a
+``tf.errors.InvalidArgumentError``, a lost peer ``tf.errors.UnavailableError``, a timeout
+``tf.errors.DeadlineExceededError``.
 """
 
 from __future__ import annotations
@@ -29,9 +35,43 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from shoal.core.errors import ShoalError
+from shoal.core.errors import (
+    CollectiveMismatchError,
+    PeerLostError,
+    ShoalError,
+    ShoalTimeoutError,
+)
 
-__all__ = ["Collective", "dense", "run", "site_name"]
+__all__ = ["Collective", "as_tf_error", "dense", "run", "site_name"]
+
+_TF_ERRORS: list[tuple[type[BaseException], type[tf.errors.OpError]]] = [
+    (CollectiveMismatchError, tf.errors.FailedPreconditionError),
+    (PeerLostError, tf.errors.UnavailableError),
+    (ShoalTimeoutError, tf.errors.DeadlineExceededError),
+    (ValueError, tf.errors.InvalidArgumentError),
+    (TypeError, tf.errors.InvalidArgumentError),
+]
+_MIXED: dict[tuple[type, type], type] = {}
+
+
+def as_tf_error(exc: BaseException) -> BaseException:
+    """``exc`` as an instance of both its own class and the TensorFlow error that matches
+    it (``exc`` itself when none does, or when it is one already)."""
+    if isinstance(exc, tf.errors.OpError):
+        return exc
+    for base, tf_type in _TF_ERRORS:
+        if isinstance(exc, base):
+            key = (type(exc), tf_type)
+            cls = _MIXED.get(key)
+            if cls is None:
+                def init(self: Any, message: str, _tf: type = tf_type) -> None:
+                    _tf.__init__(self, None, None, message)
+                    self.args = (message,)
+                cls = _MIXED[key] = type(type(exc).__name__, key, {
+                    "__init__": init, "__module__": type(exc).__module__,
+                    "__str__": lambda self: self.args[0]})
+            return cls(str(exc))
+    return exc
 
 # fn(name or None, input arrays) -> output arrays (same count as the output specs)
 Collective = Callable[[str | None, list[np.ndarray]], list[np.ndarray]]
@@ -74,8 +114,10 @@ def _check_not_xla(graph: Any, label: str) -> None:
         return
     if in_xla:
         raise ShoalError(f"shoal {label} cannot run inside XLA-compiled code (jit_compile=True): "
-                         f"it calls the engine from Python. Compile without XLA (Keras: "
-                         f"model.compile(..., jit_compile=False))")
+                         f"XLA compiles no Python op. Keep the compute compiled and reduce "
+                         f"outside it with shoal.tensorflow.xla.compiled_step(compute, apply) "
+                         f"(model.fit does this by itself with a shoal DistributedOptimizer), "
+                         f"or compile without XLA")
 
 
 def site_name(label: str, name: str | None) -> str | None:
@@ -100,14 +142,20 @@ def run(fn: Collective, tensors: Sequence[Any], *, label: str, name: str | None,
     if not tensors:
         return []
     if tf.executing_eagerly():
-        results = fn(name, [np.asarray(t.numpy()) for t in tensors])
+        try:
+            results = fn(name, [np.asarray(t.numpy()) for t in tensors])
+        except Exception as exc:
+            raise as_tf_error(exc) from exc
         return [tf.convert_to_tensor(r, dtype=d) for r, d in zip(results, dtypes, strict=True)]
     graph = tf.compat.v1.get_default_graph()
     _check_not_xla(graph, label)
     name = site_name(label, name)
 
     def call(*arrays: np.ndarray) -> list[np.ndarray]:
-        results = fn(name, [np.asarray(a) for a in arrays])
+        try:
+            results = fn(name, [np.asarray(a) for a in arrays])
+        except Exception as exc:
+            raise as_tf_error(exc) from exc
         return [np.asarray(r, dtype=d.as_numpy_dtype) for r, d in
                 zip(results, dtypes, strict=True)]
 

@@ -1,8 +1,12 @@
-"""Horovod's TensorFlow collectives over shoal's engine, for eager code and ``tf.function``.
+"""Horovod's TensorFlow collectives over the core's communicators, without gradients.
 
-Every collective is one numpy function handed to :func:`shoal.tensorflow.bridge.run`, which
-runs it eagerly or as a graph op with a name fixed per call site. ``grouped_allreduce``
-submits all its tensors before waiting for any, so the engine fuses them.
+Each function here maps tensors to numpy arrays, hands them to the communicator of the
+process set (resolved when the op *runs*, so a traced function survives ``shutdown()`` and
+``init()``) and maps the results back, through :func:`shoal.tensorflow.bridge.run`: eagerly
+now, inside ``tf.function`` as one ordered graph op named per call site. Grouped functions
+submit every tensor before waiting for any, so the engine fuses them. Scaling, reduce-scatter
+blocks, alltoall splits and the negotiation are the core's. :mod:`.collectives` adds
+Horovod's gradient rules and compression on top.
 """
 
 from __future__ import annotations
@@ -13,168 +17,137 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-import shoal
+from shoal.core import process_sets as ps_
 from shoal.core.compression import Codec, Compression
-from shoal.core.ops import (
-    Adasum,
-    Average,
-    Max,
-    Min,
-    Product,
-    ReduceOp,
-    Sum,
-    no_process_sets,
-    resolve_op,
-)
+from shoal.core.ops import ReduceOp
 
 from .bridge import run
 
-__all__ = [
-    "Adasum",
-    "Average",
-    "Compression",
-    "Max",
-    "Min",
-    "Product",
-    "ReduceOp",
-    "Sum",
-    "allgather",
-    "allgather_object",
-    "allreduce",
-    "barrier",
-    "broadcast",
-    "broadcast_object",
-    "broadcast_variables",
-    "grouped_allreduce",
-    "oob_allreduce",
-    "reduction",
-]
+__all__ = ["allgather_n", "allreduce_n", "alltoall_1", "barrier", "broadcast_n", "join",
+           "reducescatter_n", "set_size"]
 
 
-def reduction(op: ReduceOp | None, average: bool | None = None,
-              gradient_predivide_factor: float = 1.0) -> tuple[ReduceOp, float, float]:
-    """``(op, prescale, postscale)`` for Horovod's ways of asking for a reduction: ``op=``,
-    the deprecated ``average=``, and ``gradient_predivide_factor`` (divide by ``f`` before
-    summing and by ``size / f`` after, to keep half-precision sums in range)."""
-    op = resolve_op(average, op)
-    if gradient_predivide_factor == 1.0:
-        return op, 1.0, 1.0
-    if op != ReduceOp.AVERAGE:
-        raise ValueError("gradient_predivide_factor only applies to op=Average")
-    return ReduceOp.SUM, 1.0 / gradient_predivide_factor, \
-        gradient_predivide_factor / shoal.size()
+def _parts(base: str | None, count: int) -> list[str | None]:
+    return [base] if count == 1 else [None if base is None else f"{base}.{i}"
+                                      for i in range(count)]
 
 
-def _scale(tensors: Sequence[Any], factor: float) -> list[tf.Tensor]:
-    return [t if factor == 1.0 else t * tf.cast(factor, t.dtype) for t in tensors]
+def set_size(process_set: Any) -> int:
+    """The number of ranks in ``process_set`` (this rank must be a member)."""
+    return ps_.communicator_for(process_set).size
 
 
-def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None,
-                      device_dense: str = "", device_sparse: str = "",
-                      compression: Codec = Compression.none, op: ReduceOp | None = None,
-                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                      name: str | None = None, process_set: Any = None) -> list[tf.Tensor]:
-    """Reduce several tensors across ranks (Average by default), fused by the engine.
-
-    ``IndexedSlices`` are reduced as dense tensors. ``device_*`` are accepted for Horovod
-    compatibility and ignored (reductions run on the host).
-    """
-    no_process_sets(process_set)
-    op, pre, post = reduction(op, average)
-    pre, post = pre * prescale_factor, post * postscale_factor
-    grouped = len(tensors) != 1
-
+def allreduce_n(tensors: Sequence[Any], op: ReduceOp, *, prescale: float = 1.0,
+                postscale: float = 1.0, codec: Codec = Compression.none,
+                name: str | None = None, process_set: Any = None) -> list[tf.Tensor]:
+    """Reduce dense tensors across the set, fused; Horovod's scaling."""
     def reduce(base: str | None, arrays: list[np.ndarray]) -> list[np.ndarray]:
-        handles = [shoal.allreduce_async(a, op=op, compression=compression,
-                                         name=f"{base}.{i}" if base and grouped else base)
-                   for i, a in enumerate(arrays)]
+        comm = ps_.communicator_for(process_set)
+        handles = [comm.allreduce_async(np.ascontiguousarray(a), op, part, compression=codec,
+                                        prescale_factor=prescale, postscale_factor=postscale)
+                   for a, part in zip(arrays, _parts(base, len(arrays)), strict=True)]
         return [h.wait() for h in handles]
-
-    tensors = _scale([tf.convert_to_tensor(t) for t in tensors], pre)
-    return _scale(run(reduce, tensors, label="allreduce", name=name), post)
+    return run(reduce, tensors, label="allreduce", name=name)
 
 
-def allreduce(tensor: Any, average: bool | None = None, device_dense: str = "",
-              device_sparse: str = "", compression: Codec = Compression.none,
-              op: ReduceOp | None = None, prescale_factor: float = 1.0,
-              postscale_factor: float = 1.0, name: str | None = None,
-              process_set: Any = None) -> tf.Tensor:
-    """``tensor`` reduced across all ranks (Average by default), as a new tensor."""
-    return grouped_allreduce([tensor], average, device_dense, device_sparse, compression, op,
-                             prescale_factor, postscale_factor, name, process_set)[0]
-
-
-def oob_allreduce(tensor: Any, name: str | None = None) -> tf.Tensor:
-    """SMDDP's out-of-band allreduce for statistics (loss, accuracy): the average."""
-    return allreduce(tensor, op=ReduceOp.AVERAGE, name=name)
-
-
-def allgather(tensor: Any, name: str | None = None, process_set: Any = None) -> tf.Tensor:
-    """Every rank's ``tensor`` concatenated along dimension 0 (lengths may differ)."""
-    no_process_sets(process_set)
-    tensor = tf.convert_to_tensor(tensor)
-    if tensor.shape.rank == 0:
-        raise ValueError("allgather needs a tensor with at least one dimension; reshape a "
-                         "scalar to [1]")
+def allgather_n(tensors: Sequence[Any], *, name: str | None = None,
+                process_set: Any = None) -> list[tf.Tensor]:
+    """Each tensor concatenated along dim 0 over the set (lengths may differ)."""
+    tensors = [tf.convert_to_tensor(t) for t in tensors]
+    for t in tensors:
+        if t.shape.rank == 0:
+            raise ValueError(f"rank {ps_.communicator_for(process_set).rank}: allgather of a "
+                             f"scalar tensor; reshape it to [1]")
 
     def gather(base: str | None, arrays: list[np.ndarray]) -> list[np.ndarray]:
-        return [shoal.allgather(np.ascontiguousarray(arrays[0]), name=base)]
+        comm = ps_.communicator_for(process_set)
+        handles = [comm.allgather_async(np.ascontiguousarray(a), part)
+                   for a, part in zip(arrays, _parts(base, len(arrays)), strict=True)]
+        return [h.wait() for h in handles]
+    shapes = [tf.TensorShape([None]).concatenate(t.shape[1:]) for t in tensors]
+    return run(gather, tensors, label="allgather", name=name, out_shapes=shapes)
 
-    shape = tf.TensorShape([None]).concatenate(tensor.shape[1:])
-    return run(gather, [tensor], label="allgather", name=name, out_shapes=[shape])[0]
+
+def _set_root(process_set: Any, root_rank: int) -> int:
+    ps = process_set if process_set is not None else ps_.global_process_set
+    comm = ps_.communicator_for(process_set)
+    if not isinstance(root_rank, int | np.integer) or not 0 <= root_rank < \
+            ps_.communicator_for(None).size:
+        raise ValueError(f"rank {comm.rank}: root_rank {root_rank!r} is not a rank of this job")
+    return ps.local_rank_of(int(root_rank))
 
 
-def _broadcast_all(tensors: Sequence[Any], root_rank: int, name: str | None,
-                   label: str) -> list[tf.Tensor]:
-    grouped = len(tensors) != 1
+def broadcast_n(tensors: Sequence[Any], root_rank: int, *, name: str | None = None,
+                process_set: Any = None, label: str = "broadcast") -> list[tf.Tensor]:
+    """Global rank ``root_rank``'s tensors, on every member of the set."""
+    root = _set_root(process_set, root_rank)
 
     def bcast(base: str | None, arrays: list[np.ndarray]) -> list[np.ndarray]:
+        comm = ps_.communicator_for(process_set)
         copies = [np.array(a) for a in arrays]  # the inputs are read-only views
-        handles = [shoal.broadcast_async(c, root_rank,
-                                         name=f"{base}.{i}" if base and grouped else base)
-                   for i, c in enumerate(copies)]
+        handles = [comm.broadcast_async(c, root, part)
+                   for c, part in zip(copies, _parts(base, len(copies)), strict=True)]
         return [h.wait() for h in handles]
-
     return run(bcast, tensors, label=label, name=name)
 
 
-def broadcast(tensor: Any, root_rank: int, name: str | None = None,
-              process_set: Any = None) -> tf.Tensor:
-    """``root_rank``'s ``tensor``, on every rank."""
-    no_process_sets(process_set)
-    return _broadcast_all([tensor], root_rank, name, "broadcast")[0]
+def alltoall_1(tensor: Any, splits: Any = None, *, name: str | None = None,
+               process_set: Any = None) -> tuple[tf.Tensor, tf.Tensor]:
+    """``(output, received_splits)``: ``splits[i]`` rows of ``tensor`` went to rank ``i``
+    of the set (even division without ``splits``)."""
+    tensor = tf.convert_to_tensor(tensor)
+    if tensor.shape.rank == 0:
+        raise ValueError(f"rank {ps_.communicator_for(process_set).rank}: alltoall of a "
+                         f"scalar tensor; reshape it to [1]")
+    inputs = [tensor]
+    if splits is not None:
+        splits = tf.convert_to_tensor(splits)
+        if splits.dtype not in (tf.int32, tf.int64):
+            raise TypeError(f"rank {ps_.communicator_for(process_set).rank}: alltoall splits "
+                            f"must be int32 or int64, not {splits.dtype.name}")
+        inputs.append(splits)
+
+    def exchange(base: str | None, arrays: list[np.ndarray]) -> list[np.ndarray]:
+        comm = ps_.communicator_for(process_set)
+        counts = arrays[1].reshape(-1).tolist() if len(arrays) > 1 else None
+        data, received = comm.alltoall(np.ascontiguousarray(arrays[0]), counts, base)
+        return [data, np.asarray(received, np.int32)]
+    shape = tf.TensorShape([None]).concatenate(tensor.shape[1:])
+    data, received = run(exchange, inputs, label="alltoall", name=name,
+                         out_dtypes=[tensor.dtype, tf.int32],
+                         out_shapes=[shape, tf.TensorShape([None])])
+    return data, received
 
 
-def broadcast_variables(variables: Sequence[Any], root_rank: int = 0,
-                        name: str | None = None, process_set: Any = None) -> Any:
-    """Overwrite ``variables`` with ``root_rank``'s values; all travel together.
+def reducescatter_n(tensors: Sequence[Any], op: ReduceOp, *, prescale: float = 1.0,
+                    postscale: float = 1.0, name: str | None = None,
+                    process_set: Any = None) -> list[tf.Tensor]:
+    """This rank's block of dim 0 of each reduction (earlier ranks get the extra rows)."""
+    tensors = [tf.convert_to_tensor(t) for t in tensors]
+    for t in tensors:
+        if t.shape.rank == 0:
+            raise ValueError(f"rank {ps_.communicator_for(process_set).rank}: reducescatter "
+                             f"of a scalar tensor; it needs a dimension to scatter")
 
-    Eagerly the assignment is done on return; in a graph the grouped assignment op is
-    returned (``tf.function`` runs it).
-    """
-    no_process_sets(process_set)
-    variables = list(variables)
-    values = _broadcast_all([tf.convert_to_tensor(v) for v in variables], root_rank, name,
-                            "broadcast_variables")
-    assigns = [v.assign(x) for v, x in zip(variables, values, strict=True)]
-    return None if tf.executing_eagerly() else tf.group(*assigns)
+    def scatter(base: str | None, arrays: list[np.ndarray]) -> list[np.ndarray]:
+        comm = ps_.communicator_for(process_set)
+        handles = [comm.reducescatter_async(np.ascontiguousarray(a), op, part,
+                                            prescale_factor=prescale,
+                                            postscale_factor=postscale)
+                   for a, part in zip(arrays, _parts(base, len(arrays)), strict=True)]
+        return [h.wait() for h in handles]
+    shapes = [tf.TensorShape([None]).concatenate(t.shape[1:]) for t in tensors]
+    return run(scatter, tensors, label="reducescatter", name=name, out_shapes=shapes)
 
 
-def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
-                     process_set: Any = None) -> Any:
-    """A picklable object sent from ``root_rank`` to every rank (eager code only)."""
-    no_process_sets(process_set)
-    return shoal.broadcast_object(obj, root_rank, name=name)
-
-
-def allgather_object(obj: Any, name: str | None = None, process_set: Any = None) -> list[Any]:
-    """Every rank's picklable object, in rank order (eager code only)."""
-    no_process_sets(process_set)
-    return shoal.allgather_object(obj, name=name)
+def join(process_set: Any = None) -> tf.Tensor:
+    """This rank has no more data; until every rank joined it contributes neutral values to
+    the allreduces others still run. The last rank to join (the same on every rank)."""
+    def joined(base: str | None, arrays: list[np.ndarray]) -> list[np.ndarray]:
+        return [np.array(ps_.communicator_for(process_set).join(), np.int32)]
+    return run(joined, [tf.constant(0, tf.int32)], label="join", name=None)[0]
 
 
 def barrier(process_set: Any = None) -> None:
-    """Wait until every rank arrives (eager code only)."""
-    no_process_sets(process_set)
-    shoal.barrier()
-
+    """Wait until every rank of the set arrives (eager code only)."""
+    ps_.communicator_for(process_set).barrier()

@@ -1,4 +1,5 @@
-"""``DistributedGradientTape``: a ``tf.GradientTape`` whose gradients are averaged over ranks.
+"""Gradient reduction, written once for ``DistributedGradientTape`` and Keras's
+``DistributedOptimizer``, and the tapes themselves.
 
 Used as in Horovod::
 
@@ -7,26 +8,93 @@ Used as in Horovod::
     tape = hvd.DistributedGradientTape(tape)
     grads = tape.gradient(loss, model.trainable_variables)
 
-It is a real subclass of ``tf.GradientTape`` that *shares* the recording of the tape it wraps
-(the recording state is read from and written to that tape), so it can wrap a tape before,
-during or after the ``with`` block. ``gradient()`` computes the local gradients, then submits
-them all as one grouped allreduce (one graph op inside ``tf.function``), so the engine fuses
-them. Gradients that are ``None`` (unconnected sources) stay ``None``; sparse gradients are
-reduced as dense tensors.
+The tape is a real subclass of ``tf.GradientTape`` that *shares* the recording of the tape it
+wraps, so it can wrap a tape before, during or after the ``with`` block. ``gradient()``
+computes the local gradients, then reduces them across the process set: all of them as one
+grouped allreduce (one graph op inside ``tf.function``, fused by the engine), or in the groups
+``groups``/``num_groups`` ask for. ``None`` gradients stay ``None``. ``IndexedSlices`` are
+reduced as Horovod does (allgather of values and indices) unless ``sparse_as_dense=True``.
+Inside ``tf.function(jit_compile=True)`` a reduction cannot run (XLA compiles no Python op):
+:func:`shoal.tensorflow.xla.compiled_step` keeps the compute compiled and reduces between
+two compiled halves.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import tensorflow as tf
 
-from shoal.core.compression import Codec, Compression
-from shoal.core.ops import ReduceOp
+from shoal.core import process_sets as ps_
+from shoal.core.compression import Compression
+from shoal.core.ops import ReduceOp, resolve_op
 
-from .ops import grouped_allreduce, reduction
+from .collectives import grouped_allreduce
 
-__all__ = ["DistributedGradientTape", "reduce_gradients"]
+__all__ = ["DistributedGradientTape", "PartialDistributedGradientTape", "reduce_gradients"]
+
+
+def _key(variable: Any) -> Any:
+    """A hashable identity for a TensorFlow or Keras variable."""
+    return variable.ref() if hasattr(variable, "ref") else id(variable)
+
+
+def _groups(count: int, variables: Sequence[Any] | None, groups: Any) -> list[list[int]]:
+    """Index groups of the gradients to reduce (Horovod's ``groups``: a number of groups,
+    or lists of variables that travel together, the others each alone)."""
+    if groups is None or groups == 0:
+        return [list(range(count))] if count else []
+    if isinstance(groups, int):
+        if groups < 0:
+            raise ValueError(f"groups/num_groups must be >= 0, not {groups}")
+        n = min(groups, count)
+        return [list(range(count))[g::n] for g in range(n)] if n else []
+    if variables is None:
+        raise ValueError("groups given as lists of variables need the variables; pass them "
+                         "to gradient()/apply")
+    where = {_key(v): i for i, v in enumerate(variables)}
+    out, seen = [], set()
+    for group in groups:
+        idx = [where[_key(v)] for v in group if _key(v) in where]
+        seen.update(idx)
+        if idx:
+            out.append(sorted(idx))
+    out.extend([i] for i in range(count) if i not in seen)
+    return out
+
+
+def reduce_gradients(grads: Sequence[Any], variables: Sequence[Any] | None = None, *,
+                     compression: Any = Compression.none, sparse_as_dense: bool = False,
+                     op: ReduceOp | None = None, gradient_predivide_factor: float = 1.0,
+                     groups: Any = None, process_set: Any = None,
+                     name: str | None = None) -> list[Any]:
+    """A flat list of gradients reduced across the process set (``None`` stays ``None``)."""
+    op = resolve_op(None, op)
+    pre = post = 1.0
+    if gradient_predivide_factor != 1.0:
+        if op != ReduceOp.AVERAGE:
+            raise ValueError("gradient_predivide_factor only applies to op=Average")
+        size = ps_.communicator_for(process_set).size
+        op, pre, post = ReduceOp.SUM, 1.0 / gradient_predivide_factor, \
+            gradient_predivide_factor / size
+    out = list(grads)
+    if sparse_as_dense:
+        out = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in out]
+    present = [i for i, g in enumerate(out) if g is not None]
+    vars_present = None if variables is None else [variables[i] for i in present]
+    # eagerly, fixed names (so the engine's cache hits every step); in a graph, the bridge
+    # names the call site
+    base = name or ("tape.grad" if tf.executing_eagerly() else None)
+    for k, group in enumerate(_groups(len(present), vars_present, groups)):
+        at = [present[i] for i in group]
+        part = base if base is None or k == 0 else f"{base}.g{k}"
+        reduced = grouped_allreduce([out[i] for i in at], compression=compression, op=op,
+                                    prescale_factor=pre, postscale_factor=post,
+                                    process_set=process_set, name=part)
+        for i, g in zip(at, reduced, strict=True):
+            out[i] = g
+    return out
 
 
 def _shared(attr: str) -> property:
@@ -37,7 +105,9 @@ def _shared(attr: str) -> property:
 
 
 class DistributedGradientTape(tf.GradientTape):
-    """Wrap ``gradtape`` so that :meth:`gradient` returns gradients reduced over all ranks."""
+    """Wrap ``gradtape`` so that :meth:`gradient` returns gradients reduced over the process
+    set (Horovod's arguments; ``device_*`` are accepted and ignored: reductions run on the
+    host)."""
 
     _tape = _shared("_tape")
     _persistent = _shared("_persistent")
@@ -46,55 +116,81 @@ class DistributedGradientTape(tf.GradientTape):
     _recording = _shared("_recording")
 
     def __init__(self, gradtape: tf.GradientTape, device_dense: str = "",
-                 device_sparse: str = "", compression: Codec = Compression.none,
-                 sparse_as_dense: bool = True, op: ReduceOp | None = None,
+                 device_sparse: str = "", compression: Any = Compression.none,
+                 sparse_as_dense: bool = False, op: ReduceOp | None = None,
                  gradient_predivide_factor: float = 1.0, num_groups: int = 0,
-                 groups: Any = None, process_set: Any = None,
-                 name: str | None = None) -> None:
+                 groups: Any = None, process_set: Any = ps_.global_process_set,
+                 scale_local_gradients: bool = True, name: str | None = None) -> None:
         # tf.GradientTape.__init__ only sets the five shared attributes above; calling it
         # would reset the wrapped tape, so the wrapped tape's state is adopted instead
         if not isinstance(gradtape, tf.GradientTape):
             raise TypeError(f"DistributedGradientTape wraps a tf.GradientTape, not "
                             f"{type(gradtape).__name__}")
-        if process_set is not None:
-            raise NotImplementedError("process sets are not supported yet")
-        reduction(op, None, gradient_predivide_factor)  # validate now, not at gradient()
+        if num_groups and groups is not None:
+            raise ValueError("pass either num_groups or groups, not both")
+        op = resolve_op(None, op)
+        if gradient_predivide_factor != 1.0 and op != ReduceOp.AVERAGE:
+            raise ValueError("gradient_predivide_factor only applies to op=Average")
         self._gradtape = gradtape
-        self._compression = compression
-        self._op = op
-        self._predivide = gradient_predivide_factor
-        self._name = name
-        # device_*, sparse_as_dense, num_groups and groups are accepted for Horovod
-        # compatibility: reductions run on the host, sparse gradients are densified, and the
-        # engine decides the fusion groups itself
+        self._reduce = dict(compression=compression, sparse_as_dense=sparse_as_dense, op=op,
+                            gradient_predivide_factor=gradient_predivide_factor,
+                            groups=groups if groups is not None else num_groups,
+                            process_set=process_set, name=name)
+        self.process_set = process_set
+        self.scale_local_gradients = scale_local_gradients
+        self._local_sources: set[Any] = set()
+
+    def register_local_source(self, source: Any) -> None:
+        """Keep ``source``'s gradient local: not reduced (scaled by 1/size when
+        ``scale_local_gradients``)."""
+        self._local_sources.add(_key(source))
 
     def gradient(self, target: Any, sources: Any, output_gradients: Any = None,
                  unconnected_gradients: tf.UnconnectedGradients = tf.UnconnectedGradients.NONE
                  ) -> Any:
-        """Local gradients of ``target`` w.r.t. ``sources``, reduced over all ranks (same
-        structure as ``sources``)."""
+        """Local gradients of ``target`` w.r.t. ``sources``, reduced over the process set
+        (same structure as ``sources``)."""
         grads = super().gradient(target, sources, output_gradients, unconnected_gradients)
-        flat = tf.nest.flatten(grads)
-        reduced = reduce_gradients(flat, compression=self._compression, op=self._op,
-                                   gradient_predivide_factor=self._predivide, name=self._name)
-        return tf.nest.pack_sequence_as(grads, reduced)
+        flat, flat_sources = tf.nest.flatten(grads), tf.nest.flatten(sources)
+        local = [_key(s) in self._local_sources for s in flat_sources]
+        shared = [i for i, is_local in enumerate(local) if not is_local]
+        reduced = reduce_gradients([flat[i] for i in shared], [flat_sources[i] for i in shared],
+                                   **self._reduce)
+        out = list(flat)
+        for i, g in zip(shared, reduced, strict=True):
+            out[i] = g
+        if self.scale_local_gradients and any(local):
+            size = float(ps_.communicator_for(self.process_set).size)
+            for i, is_local in enumerate(local):
+                g = out[i]
+                if is_local and g is not None:
+                    out[i] = tf.IndexedSlices(g.values / size, g.indices, g.dense_shape) \
+                        if isinstance(g, tf.IndexedSlices) else g / size
+        return tf.nest.pack_sequence_as(grads, out)
 
 
-def reduce_gradients(grads: list[Any], *, compression: Codec = Compression.none,
-                     op: ReduceOp | None = None, gradient_predivide_factor: float = 1.0,
-                     name: str | None = None) -> list[Any]:
-    """A flat list of gradients reduced across ranks as one group (``None`` entries stay
-    ``None``); what :class:`DistributedGradientTape` and Keras's ``DistributedOptimizer``
-    both do with their gradients."""
-    present = [i for i, g in enumerate(grads) if g is not None]
-    op, pre, post = reduction(op, None, gradient_predivide_factor)
-    # eagerly, fixed names (so the engine's cache hits every step); in a graph, without a
-    # name, the bridge names the call site
-    name = name or ("tape.grad" if tf.executing_eagerly() else None)
-    reduced = grouped_allreduce([grads[i] for i in present], compression=compression, op=op,
-                                prescale_factor=pre, postscale_factor=post, name=name)
-    out = list(grads)
-    for i, g in zip(present, reduced, strict=True):
-        out[i] = g
-    return out
-
+def PartialDistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "",  # noqa: N802
+                                   device_sparse: str = "", compression: Any = Compression.none,
+                                   sparse_as_dense: bool = False, op: ReduceOp | None = None,
+                                   gradient_predivide_factor: float = 1.0, num_groups: int = 0,
+                                   groups: Any = None,
+                                   process_set: Any = ps_.global_process_set,
+                                   local_layers: Any = None,
+                                   scale_local_gradients: bool = True
+                                   ) -> DistributedGradientTape:
+    """A :class:`DistributedGradientTape` that keeps the gradients of ``local_layers``'
+    weights local (model parallelism inside data parallelism)."""
+    import keras
+    if local_layers is None:
+        local_layers = []
+    elif isinstance(local_layers, keras.layers.Layer):
+        local_layers = [local_layers]
+    elif not all(isinstance(layer, keras.layers.Layer) for layer in local_layers):
+        raise ValueError("All local layers must be of tf.keras.layers.Layer type.")
+    tape = DistributedGradientTape(gradtape, device_dense, device_sparse, compression,
+                                   sparse_as_dense, op, gradient_predivide_factor, num_groups,
+                                   groups, process_set, scale_local_gradients)
+    for layer in local_layers:
+        for var in layer.trainable_weights:
+            tape.register_local_source(var)
+    return tape

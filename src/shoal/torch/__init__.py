@@ -22,8 +22,20 @@ from shoal.core.api import (
     shutdown,
     size,
 )
+from shoal.core.build_info import (
+    ccl_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    rocm_built,
+    start_timeline,
+    stop_timeline,
+)
 from shoal.core.errors import PeerLostError as HorovodInternalError
-from shoal.core.errors import ShoalError
 from shoal.core.process_sets import (
     ProcessSet,
     add_process_set,
@@ -92,65 +104,9 @@ def _register_backend() -> None:
 _register_backend()
 
 
-def mpi_enabled() -> bool:
-    """shoal does not use MPI (it runs under mpirun, though)."""
-    return False
-
-
-def mpi_built() -> bool:
-    """shoal is not built on MPI."""
-    return False
-
-
-def gloo_enabled() -> bool:
-    """shoal does not use gloo."""
-    return False
-
-
-def gloo_built() -> bool:
-    """shoal is not built on gloo."""
-    return False
-
-
-def nccl_built() -> bool:
-    """shoal reduces on CPUs; no NCCL (Horovod answers 0 for "not built")."""
-    return False
-
-
-def ddl_built() -> bool:
-    """No IBM DDL."""
-    return False
-
-
-def ccl_built() -> bool:
-    """No oneCCL."""
-    return False
-
-
-def rocm_built() -> bool:
-    """No ROCm-specific code paths."""
-    return False
-
-
 def cuda_built() -> bool:
     """CUDA tensors are supported (staged through pinned host memory) when torch has CUDA."""
     return torch.cuda.is_available()
-
-
-def mpi_threads_supported() -> bool:
-    """Collectives may be called from any thread."""
-    return True
-
-
-def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
-    """Not available: shoal's timeline is chosen at ``init`` (``SHOAL_TIMELINE``)."""
-    raise ShoalError("start_timeline: shoal writes its timeline from init() on; set "
-                     "SHOAL_TIMELINE (or shoalrun --timeline-filename) before init()")
-
-
-def stop_timeline() -> None:
-    """Not available: see :func:`start_timeline`."""
-    raise ShoalError("stop_timeline: shoal's timeline runs from init() to shutdown()")
 
 
 __all__ = [
