@@ -80,21 +80,21 @@ def _fit_matches_one_process(keras, hvd, rank: int, passes: int, epochs: int = 2
     assert isinstance(Custom.from_config(opt.get_config()), keras.optimizers.SGD)
     model.compile(optimizer=opt, loss="mse")
     x, y = _shard(rank)
-    import shoal
+    from shoal.core.collectives import Collectives
     submitted = []
-    real = shoal.allreduce_async
+    real = Collectives.allreduce_async
 
-    def counting(array, *args, name=None, **kwargs):
+    def counting(self, array, op=hvd.Average, name=None, *args, **kwargs):
         submitted.append(name)
-        return real(array, *args, name=name, **kwargs)
+        return real(self, array, op, name, *args, **kwargs)
 
-    shoal.allreduce_async = counting
+    Collectives.allreduce_async = counting
     try:
         history = model.fit(x, y, batch_size=B, epochs=epochs, shuffle=False, verbose=0,
                             callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0),
                                        hvd.callbacks.MetricAverageCallback()])
     finally:
-        shoal.allreduce_async = real
+        Collectives.allreduce_async = real
     # one grouped allreduce of the 4 gradients per update: N batches communicate once
     grads = [s for s in submitted if s and s.startswith("DistributedSGD.")]
     assert len(grads) == 4 * epochs * STEPS // passes, submitted

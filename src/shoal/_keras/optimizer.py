@@ -76,7 +76,8 @@ class DistributedOptimizerMixin:
     _shoal_variables: Any = None
 
     def apply(self, grads: Any, trainable_variables: Any = None) -> Any:
-        self._shoal_variables = trainable_variables  # for groups= given as variables
+        # for groups= given as variables; set past Keras's tracking (not optimizer state)
+        object.__setattr__(self, "_shoal_variables", trainable_variables)
         return super().apply(grads, trainable_variables)  # type: ignore[misc]
 
     def _clip_gradients(self, grads: list[Any]) -> list[Any]:

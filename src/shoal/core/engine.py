@@ -518,12 +518,13 @@ class Engine:
         elif req.kind is Kind.ALLGATHER:
             rows = [int(extra[r]) for r in range(self.size)]
             out = np.empty((sum(rows), *req.trailing), req.array.dtype)
-            comm.allgather(req.array.reshape(-1, *req.trailing), rows, out, what)
+            comm.allgather(req.array.reshape(rows[self.rank], *req.trailing), rows, out, what)
             result = out
         else:  # ALLTOALL
             recv = [int(extra[r][self.rank]) for r in range(self.size)]
             out = np.empty((sum(recv), *req.trailing), req.array.dtype)
-            comm.alltoall(req.array.reshape(-1, *req.trailing), req.extra, recv, out, what)
+            comm.alltoall(req.array.reshape(sum(req.extra), *req.trailing), req.extra, recv, out,
+                          what)
             result = (out, np.asarray(recv, np.int64))
         req.future.set_result(result)
         if self.timeline is not None:

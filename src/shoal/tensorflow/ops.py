@@ -27,6 +27,11 @@ __all__ = ["allgather_n", "allreduce_n", "alltoall_1", "barrier", "broadcast_n",
            "reducescatter_n", "set_size"]
 
 
+def _c(array: np.ndarray) -> np.ndarray:
+    """``array`` C-contiguous (``np.ascontiguousarray`` would turn a scalar into shape (1,))."""
+    return array if array.flags.c_contiguous else array.copy(order="C")
+
+
 def _parts(base: str | None, count: int) -> list[str | None]:
     return [base] if count == 1 else [None if base is None else f"{base}.{i}"
                                       for i in range(count)]
@@ -43,7 +48,7 @@ def allreduce_n(tensors: Sequence[Any], op: ReduceOp, *, prescale: float = 1.0,
     """Reduce dense tensors across the set, fused; Horovod's scaling."""
     def reduce(base: str | None, arrays: list[np.ndarray]) -> list[np.ndarray]:
         comm = ps_.communicator_for(process_set)
-        handles = [comm.allreduce_async(np.ascontiguousarray(a), op, part, compression=codec,
+        handles = [comm.allreduce_async(_c(a), op, part, compression=codec,
                                         prescale_factor=prescale, postscale_factor=postscale)
                    for a, part in zip(arrays, _parts(base, len(arrays)), strict=True)]
         return [h.wait() for h in handles]
@@ -61,7 +66,7 @@ def allgather_n(tensors: Sequence[Any], *, name: str | None = None,
 
     def gather(base: str | None, arrays: list[np.ndarray]) -> list[np.ndarray]:
         comm = ps_.communicator_for(process_set)
-        handles = [comm.allgather_async(np.ascontiguousarray(a), part)
+        handles = [comm.allgather_async(_c(a), part)
                    for a, part in zip(arrays, _parts(base, len(arrays)), strict=True)]
         return [h.wait() for h in handles]
     shapes = [tf.TensorShape([None]).concatenate(t.shape[1:]) for t in tensors]
@@ -110,7 +115,7 @@ def alltoall_1(tensor: Any, splits: Any = None, *, name: str | None = None,
     def exchange(base: str | None, arrays: list[np.ndarray]) -> list[np.ndarray]:
         comm = ps_.communicator_for(process_set)
         counts = arrays[1].reshape(-1).tolist() if len(arrays) > 1 else None
-        data, received = comm.alltoall(np.ascontiguousarray(arrays[0]), counts, base)
+        data, received = comm.alltoall(_c(arrays[0]), counts, base)
         return [data, np.asarray(received, np.int32)]
     shape = tf.TensorShape([None]).concatenate(tensor.shape[1:])
     data, received = run(exchange, inputs, label="alltoall", name=name,
@@ -131,7 +136,7 @@ def reducescatter_n(tensors: Sequence[Any], op: ReduceOp, *, prescale: float = 1
 
     def scatter(base: str | None, arrays: list[np.ndarray]) -> list[np.ndarray]:
         comm = ps_.communicator_for(process_set)
-        handles = [comm.reducescatter_async(np.ascontiguousarray(a), op, part,
+        handles = [comm.reducescatter_async(_c(a), op, part,
                                             prescale_factor=prescale,
                                             postscale_factor=postscale)
                    for a, part in zip(arrays, _parts(base, len(arrays)), strict=True)]
