@@ -306,8 +306,9 @@ def test_step_on_two_ranks_leaves_identical_weights():
 
 def _ddp_shoal(rank: int) -> tuple[str, str, float] | str:
     import torch.distributed as tdist
+
+    from apps.efficientnet.runtime import init_distributed  # imports shoal.torch
     if not tdist.is_backend_available("shoal"):
-        from apps.efficientnet.runtime import init_distributed
         with pytest.raises(RuntimeError, match="ddp-shoal needs"):
             init_distributed("ddp-shoal")
         return "unavailable"

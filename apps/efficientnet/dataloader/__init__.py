@@ -1,22 +1,29 @@
 """Input pipelines: ImageNet TFRecords (read without TensorFlow, CRC-checked), image folders
-and synthetic images; JPEG decoding and AutoAugment / RandAugment with Pillow."""
+and synthetic images; JPEG decoding and AutoAugment / RandAugment with Pillow. The Keras
+application's ``tf.data`` pipeline is :mod:`apps.efficientnet.keras.data`."""
 
-from apps.efficientnet.dataloader.augment import AutoAugment, RandAugment, make_augmenter
-from apps.efficientnet.dataloader.datasets import (
-    ImageFolderImages,
-    Preprocess,
-    SyntheticImages,
-    TFRecordImages,
-    build_dataset,
-    make_loader,
-)
 from apps.efficientnet.dataloader.example import make_example, parse_example, parse_image_record
+from apps.efficientnet.dataloader.files import find_split
 from apps.efficientnet.dataloader.tfrecord import (
     TFRecordError,
     TFRecordWriter,
     count_records,
     read_records,
 )
+
+# the PyTorch loaders import torch: loaded on first use, so the Keras pipeline runs without it
+_LAZY = {"AutoAugment": "augment", "RandAugment": "augment", "make_augmenter": "augment",
+         "ImageFolderImages": "datasets", "Preprocess": "datasets",
+         "SyntheticImages": "datasets", "TFRecordImages": "datasets",
+         "build_dataset": "datasets", "make_loader": "datasets"}
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY:
+        import importlib
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "AutoAugment",
@@ -29,6 +36,7 @@ __all__ = [
     "TFRecordWriter",
     "build_dataset",
     "count_records",
+    "find_split",
     "make_augmenter",
     "make_example",
     "make_loader",

@@ -24,12 +24,12 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from .augment import decode, eval_image, make_augmenter, train_image
 from .example import parse_image_record
+from .files import find_split
 from .tfrecord import count_records, read_records
 
 __all__ = ["ImageFolderImages", "Preprocess", "SyntheticImages", "TFRecordImages",
            "build_dataset", "make_loader"]
 
-_SPLIT_PREFIX = {"train": "train", "eval": "validation"}
 _IMAGE_EXTS = {".jpg", ".jpeg", ".png", ".bmp", ".webp"}
 
 
@@ -192,30 +192,6 @@ class SyntheticImages(IterableDataset):
             i += consumers
 
 
-def _find(data_dir: str, split: str) -> tuple[str, Any]:
-    """``("tfrecord", files)`` or ``("folder", root)`` for ``split`` ("train" / "eval")."""
-    root = Path(data_dir)
-    prefix = _SPLIT_PREFIX[split]
-    files = sorted(str(p) for p in root.glob(f"{prefix}-*") if p.is_file()
-                   and ".tmp-" not in p.name)
-    if files:
-        return "tfrecord", files
-    for name in ((prefix, "val") if split == "eval" else (prefix,)):
-        if (root / name).is_dir():
-            return "folder", str(root / name)
-    if root.is_dir():  # a SageMaker channel: the directory holds this split only
-        subdirs = [p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")]
-        files = sorted(str(p) for p in root.iterdir() if p.is_file()
-                       and not p.name.startswith("."))
-        if subdirs and not files:
-            return "folder", str(root)
-        if files:
-            return "tfrecord", files
-    raise FileNotFoundError(
-        f"no {split} data in {data_dir!r}: expected TFRecords named {prefix}-*-of-* , an image "
-        f"folder {prefix}/<class>/*.jpg, or pass --synthetic")
-
-
 def build_dataset(data_dir: str | None, split: str, preprocess: Preprocess, *, rank: int,
                   size: int, seed: int, num_classes: int, synthetic: bool = False,
                   synthetic_length: int = 1024, label_offset: int = 1,
@@ -226,7 +202,7 @@ def build_dataset(data_dir: str | None, split: str, preprocess: Preprocess, *, r
     if synthetic or data_dir is None:
         return SyntheticImages(preprocess.image_size, num_classes, synthetic_length, rank,
                                size, seed + (split == "eval"), repeat)
-    kind, where = _find(os.fspath(data_dir), split)
+    kind, where = find_split(os.fspath(data_dir), split)
     if kind == "tfrecord":
         return TFRecordImages(where, preprocess, rank, size, seed, repeat, shuffle_buffer,
                               label_offset)

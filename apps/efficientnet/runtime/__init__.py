@@ -1,48 +1,31 @@
 """Training runtime: the train / eval / benchmark loops, optimizers and schedules, losses,
-checkpoints, metrics and the data-parallel backends."""
+checkpoints, metrics and the data-parallel backends. Everything here but ``metrics`` uses
+PyTorch and is imported on first use, so the Keras application shares ``metrics`` without it."""
 
-from apps.efficientnet.runtime.checkpoint import load_checkpoint, save_checkpoint
-from apps.efficientnet.runtime.distributed import Dist, init_distributed, shutdown_distributed
-from apps.efficientnet.runtime.losses import (
-    mixup,
-    smooth_targets,
-    soft_cross_entropy,
-    topk_correct,
-)
+from __future__ import annotations
+
+import importlib
+
 from apps.efficientnet.runtime.metrics import MetricLogger
-from apps.efficientnet.runtime.optim import LRSchedule, ModelEMA, TFRMSprop, build_optimizer
-from apps.efficientnet.runtime.runner import run, save, train_epoch
-from apps.efficientnet.runtime.trainer import (
-    Trainer,
-    build_trainer,
-    evaluate,
-    restore_trainer,
-    train_step,
-    trainer_state,
-)
 
-__all__ = [
-    "Dist",
-    "LRSchedule",
-    "MetricLogger",
-    "ModelEMA",
-    "TFRMSprop",
-    "Trainer",
-    "build_optimizer",
-    "build_trainer",
-    "evaluate",
-    "init_distributed",
-    "load_checkpoint",
-    "mixup",
-    "restore_trainer",
-    "run",
-    "save",
-    "save_checkpoint",
-    "shutdown_distributed",
-    "smooth_targets",
-    "soft_cross_entropy",
-    "topk_correct",
-    "train_epoch",
-    "train_step",
-    "trainer_state",
-]
+_LAZY = {
+    "load_checkpoint": "checkpoint", "save_checkpoint": "checkpoint",
+    "Dist": "distributed", "init_distributed": "distributed",
+    "shutdown_distributed": "distributed",
+    "mixup": "losses", "smooth_targets": "losses", "soft_cross_entropy": "losses",
+    "topk_correct": "losses",
+    "LRSchedule": "optim", "ModelEMA": "optim", "TFRMSprop": "optim",
+    "build_optimizer": "optim",
+    "run": "runner", "save": "runner", "train_epoch": "runner",
+    "Trainer": "trainer", "build_trainer": "trainer", "evaluate": "trainer",
+    "restore_trainer": "trainer", "train_step": "trainer", "trainer_state": "trainer",
+}
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["MetricLogger", *sorted(_LAZY)]
