@@ -16,14 +16,19 @@ if not __package__:  # run as a file, not as a module
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from apps.efficientnet.config.flags import parse_args
-from apps.efficientnet.runtime.runner import run
 
 __all__ = ["main"]
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Parse the flags (and SageMaker's environment) and run the chosen mode."""
-    run(parse_args(argv))
+    """Parse the flags (and SageMaker's environment) and run the chosen mode with the chosen
+    framework (only that framework is imported)."""
+    args = parse_args(argv)
+    if args.framework == "tensorflow":
+        from apps.efficientnet.keras.train import run
+    else:
+        from apps.efficientnet.runtime.runner import run
+    run(args)
 
 
 if __name__ == "__main__":

@@ -46,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("job")
     a = g.add_argument
     a("--mode", choices=MODES, default="train_and_eval")
+    a("--framework", choices=("torch", "tensorflow"), default="torch",
+      help="tensorflow: Keras's EfficientNet through shoal.keras (model.fit)")
     a("--arch", default="efficientnet-b0", choices=[*sorted(VARIANTS), SMALL_CNN],
       type=lambda s: s if s.startswith("efficientnet-") or s == SMALL_CNN
       else f"efficientnet-{s}",
@@ -56,8 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
       help="horovod: Horovod's own horovod.torch, under horovodrun (the comparison run)")
     a("--compression", choices=("none", "fp16", "bf16"), default="none",
       help="gradient compression on the wire")
-    flag(g, "--use_amp", "autocast: bf16 on CPU, fp16 with a GradScaler on CUDA")
-    flag(g, "--use_xla", "compile the model with torch.compile")
+    flag(g, "--use_amp", "torch: autocast (bf16 on CPU, fp16 with a GradScaler on CUDA); "
+         "tensorflow: the mixed_float16 policy")
+    flag(g, "--use_xla", "torch: torch.compile; tensorflow: XLA (jit_compile)")
     a("--seed", type=int, default=0)
     g = p.add_argument_group("schedule")
     a = g.add_argument

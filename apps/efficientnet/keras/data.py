@@ -1,0 +1,155 @@
+"""``tf.data`` input pipelines for the Keras application.
+
+The same TFRecords as the PyTorch loaders (ImageNet layout: ``image/encoded`` JPEG,
+``image/class/label`` counted from ``--label_offset``), sharded per rank: training by file when
+there are at least as many files as ranks, else by record; evaluation always by record, so
+every record is read exactly once. Each epoch is its own pipeline (seeded shuffle, then
+stateless crops, flips and mixup, functions of ``(seed, epoch, rank, index)``), so epoch ``e``
+of a resumed run sees exactly the batches epoch ``e`` of an uninterrupted run saw. Images
+stay in ``[0, 255]``: Keras's EfficientNet rescales and normalizes inside the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import numpy as np
+import tensorflow as tf
+
+from apps.efficientnet.dataloader.files import find_split
+
+__all__ = ["decode", "eval_dataset", "eval_image", "read_split", "train_dataset",
+           "train_image"]
+
+_AUTOTUNE = tf.data.AUTOTUNE
+
+
+def _records(files: list[str], rank: int, size: int, by_file: bool) -> tf.data.Dataset:
+    if by_file and len(files) >= size:
+        return tf.data.Dataset.from_tensor_slices(files).shard(size, rank).interleave(
+            tf.data.TFRecordDataset, cycle_length=4, num_parallel_calls=_AUTOTUNE,
+            deterministic=True)
+    return tf.data.TFRecordDataset(files).shard(size, rank)
+
+
+def decode(record: tf.Tensor, label_offset: int) -> tuple[tf.Tensor, tf.Tensor]:
+    """``(uint8 HWC image, int32 label)`` of an ImageNet-layout Example (JPEG decoded with
+    the accurate integer DCT, as Pillow does)."""
+    f = tf.io.parse_single_example(record, {
+        "image/encoded": tf.io.FixedLenFeature([], tf.string),
+        "image/class/label": tf.io.FixedLenFeature([], tf.int64)})
+    image = tf.io.decode_jpeg(f["image/encoded"], channels=3, dct_method="INTEGER_ACCURATE")
+    return image, tf.cast(f["image/class/label"] - label_offset, tf.int32)
+
+
+def eval_image(image: tf.Tensor, size: int, crop_fraction: float) -> tf.Tensor:
+    """Central crop of ``crop_fraction`` of the shorter side, resized (bicubic) to ``size``."""
+    shape = tf.shape(image)
+    side = tf.cast(tf.cast(tf.minimum(shape[0], shape[1]), tf.float32) * crop_fraction, tf.int32)
+    top, left = (shape[0] - side) // 2, (shape[1] - side) // 2
+    crop = tf.image.crop_to_bounding_box(image, top, left, side, side)
+    return tf.clip_by_value(tf.image.resize(crop, [size, size], "bicubic"), 0.0, 255.0)
+
+
+def train_image(image: tf.Tensor, size: int, seed: tf.Tensor, min_scale: float,
+                flip: bool) -> tf.Tensor:
+    """Random-area crop (``min_scale``..1 of the image, aspect 3/4..4/3), resized to ``size``,
+    optionally flipped; ``seed`` (shape [2]) decides everything."""
+    begin, extent, _ = tf.image.stateless_sample_distorted_bounding_box(
+        tf.shape(image), tf.constant([[[0.0, 0.0, 1.0, 1.0]]]), seed=seed,
+        min_object_covered=0.0, aspect_ratio_range=(3 / 4, 4 / 3),
+        area_range=(min_scale, 1.0), max_attempts=10, use_image_if_no_bounding_boxes=True)
+    crop = tf.slice(image, begin, extent)
+    out = tf.clip_by_value(tf.image.resize(crop, [size, size], "bicubic"), 0.0, 255.0)
+    if flip:
+        out = tf.image.stateless_random_flip_left_right(out, seed=seed + 1)
+    return out
+
+
+def _mixup(images: tf.Tensor, labels: tf.Tensor, alpha: float, seed: tf.Tensor
+           ) -> tuple[tf.Tensor, tf.Tensor]:
+    """Mix each example with the batch reversed, ``lambda ~ Beta(alpha, alpha)`` per batch."""
+    g = tf.random.stateless_gamma([2], seed=seed, alpha=alpha)
+    lam = g[0] / (g[0] + g[1])
+    return (lam * images + (1 - lam) * tf.reverse(images, [0]),
+            lam * labels + (1 - lam) * tf.reverse(labels, [0]))
+
+
+def read_split(args: argparse.Namespace, split: str) -> list[str]:
+    """The TFRecord files of ``split`` ("train" / "eval") under the flags' data directory."""
+    where = args.train_data_dir if split == "train" else args.eval_data_dir
+    if where is None:
+        raise FileNotFoundError(f"no {split} data: pass --data_dir, or --synthetic")
+    kind, found = find_split(where, split)
+    if kind != "tfrecord":
+        raise NotImplementedError(f"--framework tensorflow reads TFRecords; {found!r} is an "
+                                  f"image folder (convert it, or use --framework torch)")
+    return list(found)
+
+
+def _synthetic(args: argparse.Namespace, rank: int, size: int, batch: int) -> tf.data.Dataset:
+    rng = np.random.default_rng(args.seed * 1009 + rank)
+    images = rng.integers(0, 256, (batch, size, size, 3)).astype(np.float32)
+    labels = tf.one_hot(rng.integers(0, args.num_classes, batch), args.num_classes)
+    return tf.data.Dataset.from_tensors((images, labels)).repeat()
+
+
+def train_dataset(args: argparse.Namespace, rank: int, size: int, image_size: int,
+                  steps_per_epoch: int, start_epoch: int) -> tf.data.Dataset:
+    """Batches of ``(float images, one-hot labels)`` for epochs ``start_epoch`` onwards,
+    ``steps_per_epoch`` per epoch."""
+    batch, per_epoch = args.train_batch_size, steps_per_epoch * args.train_batch_size
+    epochs = max(0, args.max_epochs - start_epoch)
+    if args.synthetic:
+        return _synthetic(args, rank, image_size, batch).take(epochs * steps_per_epoch)
+    records = _records(read_split(args, "train"), rank, size, by_file=True)
+    num_classes, offset = args.num_classes, args.label_offset
+
+    def epoch(e: int) -> tf.data.Dataset:
+        base = tf.constant(args.seed * 1_000_003 + e * 1009 + rank, tf.int64)
+        data = records.shuffle(4096, seed=args.seed * 1_000_003 + e * 1009 + rank) \
+            .repeat().take(per_epoch).enumerate()
+
+        def prepare(i: tf.Tensor, record: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+            image, label = decode(record, offset)
+            image = train_image(image, image_size, tf.stack([base, i]), args.crop_min_scale,
+                                args.random_flip)
+            return image, tf.one_hot(label, num_classes)
+        data = data.map(prepare, num_parallel_calls=_AUTOTUNE, deterministic=True)
+        data = data.batch(batch, drop_remainder=True)
+        if args.mixup_alpha > 0:
+            data = data.enumerate().map(
+                lambda j, xy: _mixup(*xy, args.mixup_alpha, tf.stack([base, -1 - j])),
+                num_parallel_calls=_AUTOTUNE, deterministic=True)
+        return data
+
+    return _concatenate([epoch(e) for e in range(start_epoch, start_epoch + epochs)]) \
+        .prefetch(_AUTOTUNE)
+
+
+def _concatenate(parts: list[tf.data.Dataset]) -> tf.data.Dataset:
+    """The datasets one after another, joined as a balanced tree (hundreds of epochs)."""
+    if not parts:
+        raise ValueError("no epochs left to train: --max_epochs is reached")
+    while len(parts) > 1:
+        parts = [parts[i].concatenate(parts[i + 1]) if i + 1 < len(parts) else parts[i]
+                 for i in range(0, len(parts), 2)]
+    return parts[0]
+
+
+def eval_dataset(args: argparse.Namespace, rank: int, size: int, image_size: int
+                 ) -> tf.data.Dataset:
+    """This rank's share of the evaluation set, one pass: ``(float images, int labels)``."""
+    if args.synthetic:
+        count = max(1, math.ceil(10 * args.eval_batch_size / size))
+        data = _synthetic(args, rank + size, image_size, args.eval_batch_size).take(count)
+        return data.map(lambda x, y: (x, tf.argmax(y, -1, output_type=tf.int32)))
+    offset, crop = args.label_offset, args.eval_crop_fraction
+    records = _records(read_split(args, "eval"), rank, size, by_file=False)
+
+    def prepare(record: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+        image, label = decode(record, offset)
+        return eval_image(image, image_size, crop), label
+    return records.map(prepare, num_parallel_calls=_AUTOTUNE, deterministic=True) \
+        .batch(args.eval_batch_size).prefetch(_AUTOTUNE)

@@ -1,0 +1,104 @@
+"""The Keras model, schedule and optimizer of the application.
+
+``keras.applications`` EfficientNet B0-B7 (``weights=None``, Keras's own compound scaling,
+stem rescaling and normalization inside), with the recipe's BatchNorm momentum and epsilon,
+optionally shoal's ``SyncBatchNormalization``; logits in float32 also under
+``mixed_float16``. The schedule is the PyTorch application's (linear warm-up, then staircase
+exponential or cosine decay), written with Keras ops so that it compiles with XLA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Any
+
+import keras
+from keras import ops
+
+__all__ = ["WarmupDecay", "build_model", "build_optimizer"]
+
+_ARCHS = {f"efficientnet-b{i}": f"EfficientNetB{i}" for i in range(8)}
+
+
+def build_model(args: argparse.Namespace, image_size: int) -> keras.Model:
+    """EfficientNet ``args.arch`` for ``args.num_classes`` classes at ``image_size``."""
+    if args.arch not in _ARCHS:
+        raise NotImplementedError(f"--framework tensorflow trains the EfficientNets "
+                                  f"(b0..b7), not {args.arch!r}")
+    base = getattr(keras.applications, _ARCHS[args.arch])(
+        weights=None, include_top=True, classes=args.num_classes,
+        input_shape=(image_size, image_size, 3), classifier_activation=None)
+    sync = args.batch_norm == "syncbn"
+    if sync:
+        import shoal.tensorflow as hvd
+        sync_bn = hvd.SyncBatchNormalization
+
+    def clone(layer: keras.layers.Layer) -> keras.layers.Layer:
+        if not isinstance(layer, keras.layers.BatchNormalization):
+            return layer.__class__.from_config(layer.get_config())
+        config = {**layer.get_config(), "momentum": args.bn_momentum,
+                  "epsilon": args.bn_epsilon}
+        return sync_bn.from_config(config) if sync else layer.__class__.from_config(config)
+
+    model = keras.models.clone_model(base, clone_function=clone)
+    logits = keras.layers.Activation("linear", dtype="float32", name="logits")(model.output)
+    return keras.Model(model.input, logits, name=args.arch.replace("-", "_"))
+
+
+@keras.saving.register_keras_serializable(package="shoal_apps")
+class WarmupDecay(keras.optimizers.schedules.LearningRateSchedule):
+    """Linear warm-up from 0 over ``warmup_steps``, then staircase exponential decay
+    (``base * rate ** floor(epoch / decay_epochs)``) or cosine decay to 0 at
+    ``total_steps``."""
+
+    def __init__(self, base_lr: float, steps_per_epoch: int, total_steps: int,
+                 warmup_steps: int, decay: str, decay_rate: float,
+                 decay_epochs: float) -> None:
+        if decay not in ("exponential", "cosine"):
+            raise ValueError(f"unknown lr_decay {decay!r}; use exponential or cosine")
+        self.base_lr, self.steps_per_epoch = base_lr, max(1, steps_per_epoch)
+        self.total_steps, self.warmup_steps = max(1, total_steps), warmup_steps
+        self.decay, self.decay_rate, self.decay_epochs = decay, decay_rate, decay_epochs
+
+    def __call__(self, step: Any) -> Any:
+        step = ops.cast(step, "float32")
+        warm = float(max(1, self.warmup_steps))
+        after = ops.maximum(step - self.warmup_steps, 0.0)
+        if self.decay == "cosine":
+            t = ops.minimum(after / max(1, self.total_steps - self.warmup_steps), 1.0)
+            decayed = self.base_lr * 0.5 * (1.0 + ops.cos(math.pi * t))
+        else:
+            epochs = ops.floor(after / self.steps_per_epoch / self.decay_epochs)
+            decayed = self.base_lr * ops.power(self.decay_rate, epochs)
+        return ops.where(step < self.warmup_steps, self.base_lr * (step + 1.0) / warm, decayed)
+
+    def get_config(self) -> dict[str, Any]:
+        return {"base_lr": self.base_lr, "steps_per_epoch": self.steps_per_epoch,
+                "total_steps": self.total_steps, "warmup_steps": self.warmup_steps,
+                "decay": self.decay, "decay_rate": self.decay_rate,
+                "decay_epochs": self.decay_epochs}
+
+
+def build_optimizer(args: argparse.Namespace, schedule: WarmupDecay) -> keras.Optimizer:
+    """``rmsprop`` (TF's), ``sgd`` (Nesterov) or ``adamw``; weight decay (decoupled, Keras's)
+    spares BatchNorm and biases; ``--moving_average_decay`` keeps an EMA of the weights,
+    swapped in for evaluation."""
+    common: dict[str, Any] = {"learning_rate": schedule}
+    if args.weight_decay:
+        common["weight_decay"] = args.weight_decay
+    if args.moving_average_decay:
+        common.update(use_ema=True, ema_momentum=args.moving_average_decay)
+    if args.optimizer == "rmsprop":
+        opt = keras.optimizers.RMSprop(rho=args.rmsprop_decay, momentum=args.momentum,
+                                       epsilon=args.rmsprop_epsilon, **common)
+    elif args.optimizer == "sgd":
+        opt = keras.optimizers.SGD(momentum=args.momentum, nesterov=args.momentum > 0,
+                                   **common)
+    elif args.optimizer == "adamw":
+        opt = keras.optimizers.AdamW(**{"weight_decay": 0.0, **common})
+    else:
+        raise ValueError(f"unknown optimizer {args.optimizer!r}; use rmsprop, sgd or adamw")
+    if args.weight_decay:
+        opt.exclude_from_weight_decay(var_names=["gamma", "beta", "bias"])
+    return opt

@@ -1,0 +1,217 @@
+"""``--framework tensorflow``: EfficientNet trained by ``model.fit`` through ``shoal.keras``.
+
+Horovod's recipe, as written for Keras: ``hvd.init()``, the learning rate scaled by the global
+batch, ``hvd.DistributedOptimizer(opt, compression=...)``, ``BroadcastGlobalVariablesCallback(0)``,
+``MetricAverageCallback()``, checkpoints on rank 0 only. ``--use_amp`` is Keras's
+``mixed_float16`` policy (Keras adds the loss-scale optimizer), ``--use_xla`` compiles the step
+with XLA (``jit_compile``; shoal splits it at the optimizer), ``--batch_norm syncbn`` uses shoal's
+``SyncBatchNormalization``. Statistics are logged like the PyTorch application's: loss,
+top-1/top-5 accuracy, images per second, latency percentiles; a ``SUMMARY`` line closes the run.
+
+A checkpoint (``<model_dir>/keras_checkpoint.npz``) holds every model variable (BatchNorm
+statistics and dropout seeds included), every optimizer variable and the epoch; ``--resume``
+loads it on rank 0 and sends it to the others, and the data pipeline is a function of the
+epoch, so a resumed run continues exactly as the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from apps.efficientnet.config.variants import get_variant
+from apps.efficientnet.dataloader.tfrecord import count_records
+from apps.efficientnet.runtime.metrics import MetricLogger, latency_percentiles
+
+__all__ = ["CHECKPOINT", "evaluate", "run"]
+
+CHECKPOINT = "keras_checkpoint.npz"
+
+
+def _keras() -> tuple[Any, Any, Any]:
+    import keras
+    import tensorflow as tf
+
+    import shoal.keras as hvd
+    hvd.init()
+    if "OMP_NUM_THREADS" not in os.environ:  # share the host's cores between its ranks
+        threads = max(1, (os.cpu_count() or 1) // hvd.local_size())
+        tf.config.threading.set_intra_op_parallelism_threads(threads)
+        tf.config.threading.set_inter_op_parallelism_threads(min(2, threads))
+    return tf, keras, hvd
+
+
+def _variables(model: Any) -> list[Any]:
+    return [*model.variables, *model.optimizer.variables]
+
+
+def save_checkpoint(model: Any, epoch: int, model_dir: str) -> Path:
+    """Write ``model``'s and its optimizer's variables and ``epoch`` (call on rank 0)."""
+    path = Path(model_dir) / CHECKPOINT
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp-{os.getpid()}.npz")
+    arrays = {f"v{i:05d}": np.asarray(v.numpy()) for i, v in enumerate(_variables(model))}
+    np.savez(tmp, epoch=np.int64(epoch), **arrays)
+    os.replace(tmp, path)
+    return path
+
+
+def restore_checkpoint(model: Any, where: str, hvd: Any) -> int:
+    """Load ``where`` (a checkpoint or its directory) on rank 0, send it to every rank,
+    assign it; returns the epoch to continue from."""
+    state = None
+    if hvd.rank() == 0:
+        path = Path(where)
+        path = path / CHECKPOINT if path.is_dir() else path
+        with np.load(path) as data:
+            state = {k: data[k] for k in data.files}
+    state = hvd.broadcast_object(state, 0, name="keras.resume")
+    model.optimizer.build(model.trainable_variables)
+    variables = _variables(model)
+    values = [state[f"v{i:05d}"] for i in range(len(variables))]
+    if len(state) - 1 != len(variables):
+        raise ValueError(f"checkpoint {where!r} holds {len(state) - 1} variables, this model "
+                         f"and optimizer {len(variables)}: other flags than the run that "
+                         f"wrote it?")
+    for var, value in zip(variables, values, strict=True):
+        var.assign(value)
+    return int(state["epoch"])
+
+
+def evaluate(tf: Any, hvd: Any, model: Any, data: Any, jit: bool) -> dict[str, float]:
+    """Loss and top-1/top-5 accuracy over every rank's share of ``data`` (exact global
+    averages), and latency percentiles."""
+    @tf.function(jit_compile=jit, reduce_retracing=True)
+    def predict(images: Any) -> Any:
+        return model(images, training=False)
+
+    sums, times = np.zeros(4), []
+    for images, labels in data:
+        t0 = time.perf_counter()
+        logits = predict(images)
+        loss = tf.keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True)
+        top = [tf.math.in_top_k(labels, logits, k) for k in (1, 5)]
+        sums += [float(tf.reduce_sum(loss)), float(tf.reduce_sum(tf.cast(top[0], tf.float32))),
+                 float(tf.reduce_sum(tf.cast(top[1], tf.float32))), float(tf.size(labels))]
+        times.append(time.perf_counter() - t0)
+    total = hvd.allreduce(sums, op=hvd.Sum, name="keras.eval")
+    count = max(total[3], 1.0)
+    lat = latency_percentiles(times[1:], "eval")
+    lat = dict(zip(lat, hvd.allreduce(list(lat.values()), name="keras.eval.lat"),
+                   strict=True)) if lat else {}
+    return {"eval_loss": total[0] / count, "eval_accuracy_top_1": 100 * total[1] / count,
+            "eval_accuracy_top_5": 100 * total[2] / count, **lat}
+
+
+def _callback(keras: Any, tf: Any, hvd: Any, args: argparse.Namespace, logger: MetricLogger,
+              eval_data: Any, summary: dict[str, Any], warmup: int) -> Any:
+    class Progress(keras.callbacks.Callback):
+        """Timing, evaluation, checkpoints and logging, once per epoch."""
+
+        def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+            self.times: list[float] = []
+
+        def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+            self.t0 = time.perf_counter()
+
+        def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+            self.times.append(time.perf_counter() - self.t0)
+
+        def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+            logs = logs or {}  # averaged over ranks by MetricAverageCallback
+            skip = min(warmup, len(self.times) - 1)
+            timed = self.times[skip:]
+            per_worker = len(timed) * args.train_batch_size / max(sum(timed), 1e-9)
+            lat = latency_percentiles(timed, "training")
+            avg = hvd.allreduce([per_worker, *lat.values()], name="keras.epoch.stats")
+            stats = {"training_loss": float(logs.get("loss", np.nan)),
+                     "training_accuracy_top_1": 100 * float(logs.get("top1", np.nan)),
+                     "training_accuracy_top_5": 100 * float(logs.get("top5", np.nan)),
+                     "avg_exp_per_second_training": float(avg[0]) * hvd.size(),
+                     "avg_exp_per_second_training_per_worker": float(avg[0]),
+                     "learning_rate": float(self.model.optimizer.learning_rate),
+                     **dict(zip(lat, map(float, avg[1:]), strict=True))}
+            if eval_data is not None:
+                ema = args.moving_average_decay > 0
+                swap = keras.callbacks.SwapEMAWeights()
+                swap.set_model(self.model)
+                if ema:
+                    swap._swap_variables()
+                try:
+                    stats.update(evaluate(tf, hvd, self.model, eval_data, args.use_xla))
+                finally:
+                    if ema:
+                        swap._swap_variables()
+            step = (epoch + 1) * self.params["steps"]
+            logger.log((epoch + 1, step), stats)
+            summary.update(stats)
+            freq = args.save_checkpoint_freq
+            if args.mode != "training_benchmark" and hvd.rank() == 0 and (
+                    (freq and (epoch + 1) % freq == 0) or epoch + 1 == args.max_epochs):
+                save_checkpoint(self.model, epoch + 1, args.model_dir)
+
+    return Progress()
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Train, evaluate or benchmark ``args.arch`` with Keras through shoal; the summary."""
+    if args.mode == "eval":
+        raise NotImplementedError("--framework tensorflow --mode eval: evaluate with "
+                                  "--mode train_and_eval and --resume_checkpoint")
+    tf, keras, hvd = _keras()
+    from apps.efficientnet.keras import data as data_
+    from apps.efficientnet.keras.model import WarmupDecay, build_model, build_optimizer
+    if args.use_xla and args.batch_norm == "syncbn":
+        raise ValueError("--use_xla with --batch_norm syncbn: synchronized BatchNorm reduces "
+                         "inside the model, which XLA cannot compile; use one of the two")
+    keras.utils.set_random_seed(args.seed)
+    if args.use_amp:
+        keras.mixed_precision.set_global_policy("mixed_float16")
+    size, rank = hvd.size(), hvd.rank()
+    image_size = args.image_size or get_variant(args.arch).resolution
+    global_batch = args.train_batch_size * size
+    steps = args.steps_per_epoch
+    if not steps:
+        steps = 100 if args.synthetic else max(1, sum(
+            count_records(f) for f in data_.read_split(args, "train")) // global_batch)
+    logger = MetricLogger(Path(args.model_dir) / args.log_filename, enabled=rank == 0)
+    logger.log("PARAMETER", {**vars(args), "world_size": size}, echo=False)
+    base_lr = args.lr_init * global_batch / 256
+    schedule = WarmupDecay(base_lr, steps, steps * args.max_epochs,
+                           int(args.lr_warmup_epochs * steps), args.lr_decay,
+                           args.lr_decay_rate, args.lr_decay_epochs)
+    model = build_model(args, image_size)
+    optimizer = hvd.DistributedOptimizer(build_optimizer(args, schedule),
+                                         compression=hvd.Compression.by_name(args.compression))
+    model.compile(optimizer=optimizer, jit_compile=bool(args.use_xla), metrics=[
+        keras.metrics.CategoricalAccuracy(name="top1"),
+        keras.metrics.TopKCategoricalAccuracy(5, name="top5")],
+        loss=keras.losses.CategoricalCrossentropy(from_logits=True,
+                                                  label_smoothing=args.label_smoothing))
+    start = 0
+    if args.resume_checkpoint:
+        start = restore_checkpoint(model, args.resume_checkpoint, hvd)
+        logger.print(f"resumed from {args.resume_checkpoint}: epoch {start}")
+    logger.print(f"efficientnet: {args.arch} {args.mode} on {size} rank(s) (keras, shoal), "
+                 f"image {image_size}, global batch {global_batch}, {steps} steps/epoch, "
+                 f"peak lr {base_lr:.4g}, amp {bool(args.use_amp)}, xla {bool(args.use_xla)}")
+    train = data_.train_dataset(args, rank, size, image_size, steps, start)
+    evaluation = data_.eval_dataset(args, rank, size, image_size) \
+        if args.mode == "train_and_eval" else None
+    summary: dict[str, Any] = {}
+    warmup = args.benchmark_warmup_steps if args.mode == "training_benchmark" else 1
+    callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+                 hvd.callbacks.MetricAverageCallback(),
+                 _callback(keras, tf, hvd, args, logger, evaluation, summary, warmup)]
+    t0 = time.perf_counter()
+    model.fit(train, epochs=args.max_epochs, initial_epoch=start, steps_per_epoch=steps,
+              callbacks=callbacks, verbose=0)
+    summary["training_time"] = time.perf_counter() - t0
+    logger.log("SUMMARY", summary)
+    logger.close()
+    return summary
