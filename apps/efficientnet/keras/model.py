@@ -16,19 +16,38 @@ from typing import Any
 import keras
 from keras import ops
 
+from apps.efficientnet.config.variants import SMALL_CNN
+
 __all__ = ["WarmupDecay", "build_model", "build_optimizer"]
 
 _ARCHS = {f"efficientnet-b{i}": f"EfficientNetB{i}" for i in range(8)}
 
 
+def _small_cnn(num_classes: int, image_size: int) -> keras.Model:
+    """The benchmarks' communication-bound reference model (as the PyTorch application's
+    ``small-cnn``): Conv-BN-ReLU x 4 with stride 2 (32..256 channels), pooling, classifier."""
+    inputs = keras.Input((image_size, image_size, 3))
+    x = keras.layers.Rescaling(1 / 127.5, offset=-1.0)(inputs)
+    for channels in (32, 64, 128, 256):
+        x = keras.layers.Conv2D(channels, 3, strides=2, padding="same", use_bias=False)(x)
+        x = keras.layers.BatchNormalization()(x)
+        x = keras.layers.ReLU()(x)
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    return keras.Model(inputs, keras.layers.Dense(num_classes)(x))
+
+
 def build_model(args: argparse.Namespace, image_size: int) -> keras.Model:
-    """EfficientNet ``args.arch`` for ``args.num_classes`` classes at ``image_size``."""
-    if args.arch not in _ARCHS:
+    """EfficientNet ``args.arch`` (or ``small-cnn``) for ``args.num_classes`` classes at
+    ``image_size``."""
+    if args.arch == SMALL_CNN:
+        base = _small_cnn(args.num_classes, image_size)
+    elif args.arch in _ARCHS:
+        base = getattr(keras.applications, _ARCHS[args.arch])(
+            weights=None, include_top=True, classes=args.num_classes,
+            input_shape=(image_size, image_size, 3), classifier_activation=None)
+    else:
         raise NotImplementedError(f"--framework tensorflow trains the EfficientNets "
-                                  f"(b0..b7), not {args.arch!r}")
-    base = getattr(keras.applications, _ARCHS[args.arch])(
-        weights=None, include_top=True, classes=args.num_classes,
-        input_shape=(image_size, image_size, 3), classifier_activation=None)
+                                  f"(b0..b7) and {SMALL_CNN}, not {args.arch!r}")
     sync = args.batch_norm == "syncbn"
     if sync:
         import shoal.tensorflow as hvd

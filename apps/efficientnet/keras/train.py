@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from apps.efficientnet.config.variants import get_variant
+from apps.efficientnet.config.variants import SMALL_CNN, SMALL_CNN_RESOLUTION, get_variant
 from apps.efficientnet.dataloader.tfrecord import count_records
 from apps.efficientnet.runtime.metrics import MetricLogger, latency_percentiles
 
@@ -173,7 +173,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.use_amp:
         keras.mixed_precision.set_global_policy("mixed_float16")
     size, rank = hvd.size(), hvd.rank()
-    image_size = args.image_size or get_variant(args.arch).resolution
+    image_size = args.image_size or (SMALL_CNN_RESOLUTION if args.arch == SMALL_CNN
+                                     else get_variant(args.arch).resolution)
     global_batch = args.train_batch_size * size
     steps = args.steps_per_epoch
     if not steps:
