@@ -54,8 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
       help=f"an EfficientNet, or {SMALL_CNN} (a small CNN for communication-bound benchmarks)")
     a("--num_classes", type=int, default=1000)
     a("--image_size", type=int, default=None, help="input resolution (default: the variant's)")
-    a("--backend", choices=("shoal", "ddp-gloo", "ddp-shoal", "horovod"), default="shoal",
-      help="horovod: Horovod's own horovod.torch, under horovodrun (the comparison run)")
+    a("--backend", choices=("shoal", "ddp-gloo", "ddp-shoal", "horovod", "mwms"),
+      default="shoal", help="horovod: Horovod's own horovod.torch, under horovodrun; mwms: "
+      "TensorFlow's MultiWorkerMirroredStrategy from TF_CONFIG (--framework tensorflow); "
+      "both the comparison runs of the benchmarks")
     a("--compression", choices=("none", "fp16", "bf16"), default="none",
       help="gradient compression on the wire")
     flag(g, "--use_amp", "torch: autocast (bf16 on CPU, fp16 with a GradScaler on CUDA); "
@@ -150,6 +152,12 @@ def parse_args(argv: Sequence[str] | None = None,
                               *(argv if argv is not None else sys.argv[1:])])
     args.train_data_dir = args.train_data_dir or args.data_dir
     args.eval_data_dir = args.eval_data_dir or args.data_dir
+    torch_only = args.backend in ("ddp-gloo", "ddp-shoal", "horovod")
+    if args.framework == "tensorflow" and torch_only:
+        parser.error(f"--backend {args.backend} is PyTorch's; --framework tensorflow runs "
+                     f"--backend shoal or mwms")
+    if args.framework == "torch" and args.backend == "mwms":
+        parser.error("--backend mwms is TensorFlow's: add --framework tensorflow")
     for name in ("train_batch_size", "eval_batch_size", "max_epochs"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1")

@@ -96,13 +96,19 @@ def _synthetic(args: argparse.Namespace, rank: int, size: int, batch: int) -> tf
 
 
 def train_dataset(args: argparse.Namespace, rank: int, size: int, image_size: int,
-                  steps_per_epoch: int, start_epoch: int) -> tf.data.Dataset:
+                  steps_per_epoch: int, start_epoch: int, batch: int | None = None
+                  ) -> tf.data.Dataset:
     """Batches of ``(float images, one-hot labels)`` for epochs ``start_epoch`` onwards,
-    ``steps_per_epoch`` per epoch."""
-    batch, per_epoch = args.train_batch_size, steps_per_epoch * args.train_batch_size
+    ``steps_per_epoch`` per epoch; ``batch`` defaults to ``--train_batch_size``."""
+    batch = batch or args.train_batch_size
+    per_epoch = steps_per_epoch * batch
     epochs = max(0, args.max_epochs - start_epoch)
     if args.synthetic:
-        return _synthetic(args, rank, image_size, batch).take(epochs * steps_per_epoch)
+        data = _synthetic(args, rank, image_size, batch).take(epochs * steps_per_epoch)
+        options = tf.data.Options()  # each worker makes its own (MultiWorkerMirrored too)
+        options.experimental_distribute.auto_shard_policy = \
+            tf.data.experimental.AutoShardPolicy.OFF
+        return data.with_options(options)
     records = _records(read_split(args, "train"), rank, size, by_file=True)
     num_classes, offset = args.num_classes, args.label_offset
 

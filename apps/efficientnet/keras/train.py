@@ -26,6 +26,7 @@ import numpy as np
 
 from apps.efficientnet.config.variants import SMALL_CNN, SMALL_CNN_RESOLUTION, get_variant
 from apps.efficientnet.dataloader.tfrecord import count_records
+from apps.efficientnet.keras.comm import Comm, make_comm
 from apps.efficientnet.runtime.metrics import MetricLogger, latency_percentiles
 
 __all__ = ["CHECKPOINT", "evaluate", "run"]
@@ -33,17 +34,19 @@ __all__ = ["CHECKPOINT", "evaluate", "run"]
 CHECKPOINT = "keras_checkpoint.npz"
 
 
-def _keras() -> tuple[Any, Any, Any]:
-    import keras
+def _keras(backend: str) -> tuple[Any, Any, Comm]:
     import tensorflow as tf
-
-    import shoal.keras as hvd
-    hvd.init()
-    if "OMP_NUM_THREADS" not in os.environ:  # share the host's cores between its ranks
-        threads = max(1, (os.cpu_count() or 1) // hvd.local_size())
-        tf.config.threading.set_intra_op_parallelism_threads(threads)
-        tf.config.threading.set_inter_op_parallelism_threads(min(2, threads))
-    return tf, keras, hvd
+    threads = os.environ.get("OMP_NUM_THREADS")
+    if threads:  # before the strategy (or anything else) starts TensorFlow's runtime
+        tf.config.threading.set_intra_op_parallelism_threads(int(threads))
+        tf.config.threading.set_inter_op_parallelism_threads(min(2, int(threads)))
+    comm = make_comm(backend)
+    if not threads:  # share the host's cores between its ranks
+        share = max(1, (os.cpu_count() or 1) // comm.local_size)
+        tf.config.threading.set_intra_op_parallelism_threads(share)
+        tf.config.threading.set_inter_op_parallelism_threads(min(2, share))
+    import keras
+    return tf, keras, comm
 
 
 def _variables(model: Any) -> list[Any]:
@@ -61,16 +64,16 @@ def save_checkpoint(model: Any, epoch: int, model_dir: str) -> Path:
     return path
 
 
-def restore_checkpoint(model: Any, where: str, hvd: Any) -> int:
+def restore_checkpoint(model: Any, where: str, comm: Comm) -> int:
     """Load ``where`` (a checkpoint or its directory) on rank 0, send it to every rank,
     assign it; returns the epoch to continue from."""
     state = None
-    if hvd.rank() == 0:
+    if comm.rank == 0:
         path = Path(where)
         path = path / CHECKPOINT if path.is_dir() else path
         with np.load(path) as data:
             state = {k: data[k] for k in data.files}
-    state = hvd.broadcast_object(state, 0, name="keras.resume")
+    state = comm.broadcast_object(state, name="keras.resume")
     model.optimizer.build(model.trainable_variables)
     variables = _variables(model)
     values = [state[f"v{i:05d}"] for i in range(len(variables))]
@@ -83,7 +86,7 @@ def restore_checkpoint(model: Any, where: str, hvd: Any) -> int:
     return int(state["epoch"])
 
 
-def evaluate(tf: Any, hvd: Any, model: Any, data: Any, jit: bool) -> dict[str, float]:
+def evaluate(tf: Any, comm: Comm, model: Any, data: Any, jit: bool) -> dict[str, float]:
     """Loss and top-1/top-5 accuracy over every rank's share of ``data`` (exact global
     averages), and latency percentiles."""
     @tf.function(jit_compile=jit, reduce_retracing=True)
@@ -99,16 +102,16 @@ def evaluate(tf: Any, hvd: Any, model: Any, data: Any, jit: bool) -> dict[str, f
         sums += [float(tf.reduce_sum(loss)), float(tf.reduce_sum(tf.cast(top[0], tf.float32))),
                  float(tf.reduce_sum(tf.cast(top[1], tf.float32))), float(tf.size(labels))]
         times.append(time.perf_counter() - t0)
-    total = hvd.allreduce(sums, op=hvd.Sum, name="keras.eval")
+    total = comm.total(list(sums), name="keras.eval")
     count = max(total[3], 1.0)
     lat = latency_percentiles(times[1:], "eval")
-    lat = dict(zip(lat, hvd.allreduce(list(lat.values()), name="keras.eval.lat"),
+    lat = dict(zip(lat, map(float, comm.average(list(lat.values()), name="keras.eval.lat")),
                    strict=True)) if lat else {}
     return {"eval_loss": total[0] / count, "eval_accuracy_top_1": 100 * total[1] / count,
             "eval_accuracy_top_5": 100 * total[2] / count, **lat}
 
 
-def _callback(keras: Any, tf: Any, hvd: Any, args: argparse.Namespace, logger: MetricLogger,
+def _callback(keras: Any, tf: Any, comm: Comm, args: argparse.Namespace, logger: MetricLogger,
               eval_data: Any, summary: dict[str, Any], warmup: int) -> Any:
     class Progress(keras.callbacks.Callback):
         """Timing, evaluation, checkpoints and logging, once per epoch."""
@@ -128,11 +131,11 @@ def _callback(keras: Any, tf: Any, hvd: Any, args: argparse.Namespace, logger: M
             timed = self.times[skip:]
             per_worker = len(timed) * args.train_batch_size / max(sum(timed), 1e-9)
             lat = latency_percentiles(timed, "training")
-            avg = hvd.allreduce([per_worker, *lat.values()], name="keras.epoch.stats")
+            avg = comm.average([per_worker, *lat.values()], name="keras.epoch.stats")
             stats = {"training_loss": float(logs.get("loss", np.nan)),
                      "training_accuracy_top_1": 100 * float(logs.get("top1", np.nan)),
                      "training_accuracy_top_5": 100 * float(logs.get("top5", np.nan)),
-                     "avg_exp_per_second_training": float(avg[0]) * hvd.size(),
+                     "avg_exp_per_second_training": float(avg[0]) * comm.size,
                      "avg_exp_per_second_training_per_worker": float(avg[0]),
                      "learning_rate": float(self.model.optimizer.learning_rate),
                      **dict(zip(lat, map(float, avg[1:]), strict=True))}
@@ -143,7 +146,7 @@ def _callback(keras: Any, tf: Any, hvd: Any, args: argparse.Namespace, logger: M
                 if ema:
                     swap._swap_variables()
                 try:
-                    stats.update(evaluate(tf, hvd, self.model, eval_data, args.use_xla))
+                    stats.update(evaluate(tf, comm, self.model, eval_data, args.use_xla))
                 finally:
                     if ema:
                         swap._swap_variables()
@@ -151,7 +154,7 @@ def _callback(keras: Any, tf: Any, hvd: Any, args: argparse.Namespace, logger: M
             logger.log((epoch + 1, step), stats)
             summary.update(stats)
             freq = args.save_checkpoint_freq
-            if args.mode != "training_benchmark" and hvd.rank() == 0 and (
+            if args.mode != "training_benchmark" and comm.rank == 0 and (
                     (freq and (epoch + 1) % freq == 0) or epoch + 1 == args.max_epochs):
                 save_checkpoint(self.model, epoch + 1, args.model_dir)
 
@@ -163,7 +166,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.mode == "eval":
         raise NotImplementedError("--framework tensorflow --mode eval: evaluate with "
                                   "--mode train_and_eval and --resume_checkpoint")
-    tf, keras, hvd = _keras()
+    tf, keras, comm = _keras(args.backend)
     from apps.efficientnet.keras import data as data_
     from apps.efficientnet.keras.model import WarmupDecay, build_model, build_optimizer
     if args.use_xla and args.batch_norm == "syncbn":
@@ -172,7 +175,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     keras.utils.set_random_seed(args.seed)
     if args.use_amp:
         keras.mixed_precision.set_global_policy("mixed_float16")
-    size, rank = hvd.size(), hvd.rank()
+    size, rank = comm.size, comm.rank
     image_size = args.image_size or (SMALL_CNN_RESOLUTION if args.arch == SMALL_CNN
                                      else get_variant(args.arch).resolution)
     global_batch = args.train_batch_size * size
@@ -186,33 +189,35 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     schedule = WarmupDecay(base_lr, steps, steps * args.max_epochs,
                            int(args.lr_warmup_epochs * steps), args.lr_decay,
                            args.lr_decay_rate, args.lr_decay_epochs)
-    model = build_model(args, image_size)
-    optimizer = hvd.DistributedOptimizer(build_optimizer(args, schedule),
-                                         compression=hvd.Compression.by_name(args.compression))
-    model.compile(optimizer=optimizer, jit_compile=bool(args.use_xla), metrics=[
-        keras.metrics.CategoricalAccuracy(name="top1"),
-        keras.metrics.TopKCategoricalAccuracy(5, name="top5")],
-        loss=keras.losses.CategoricalCrossentropy(from_logits=True,
-                                                  label_smoothing=args.label_smoothing))
+    with comm.scope():
+        model = build_model(args, image_size)
+        model.compile(optimizer=comm.optimizer(build_optimizer(args, schedule),
+                                               args.compression),
+                      jit_compile=bool(args.use_xla), metrics=[
+                          keras.metrics.CategoricalAccuracy(name="top1"),
+                          keras.metrics.TopKCategoricalAccuracy(5, name="top5")],
+                      loss=keras.losses.CategoricalCrossentropy(
+                          from_logits=True, label_smoothing=args.label_smoothing))
     start = 0
     if args.resume_checkpoint:
-        start = restore_checkpoint(model, args.resume_checkpoint, hvd)
+        start = restore_checkpoint(model, args.resume_checkpoint, comm)
         logger.print(f"resumed from {args.resume_checkpoint}: epoch {start}")
-    logger.print(f"efficientnet: {args.arch} {args.mode} on {size} rank(s) (keras, shoal), "
+    logger.print(f"efficientnet: {args.arch} {args.mode} on {size} rank(s) (keras, {comm.name}), "
                  f"image {image_size}, global batch {global_batch}, {steps} steps/epoch, "
                  f"peak lr {base_lr:.4g}, amp {bool(args.use_amp)}, xla {bool(args.use_xla)}")
-    train = data_.train_dataset(args, rank, size, image_size, steps, start)
+    train = data_.train_dataset(args, rank, size, image_size, steps, start,
+                                comm.dataset_batch(args.train_batch_size))
     evaluation = data_.eval_dataset(args, rank, size, image_size) \
         if args.mode == "train_and_eval" else None
     summary: dict[str, Any] = {}
     warmup = args.benchmark_warmup_steps if args.mode == "training_benchmark" else 1
-    callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0),
-                 hvd.callbacks.MetricAverageCallback(),
-                 _callback(keras, tf, hvd, args, logger, evaluation, summary, warmup)]
+    callbacks = [*comm.callbacks(),
+                 _callback(keras, tf, comm, args, logger, evaluation, summary, warmup)]
     t0 = time.perf_counter()
-    model.fit(train, epochs=args.max_epochs, initial_epoch=start, steps_per_epoch=steps,
-              callbacks=callbacks, verbose=0)
+    comm.fit(model, train, start, args.max_epochs, steps, callbacks, bool(args.use_xla),
+             args.train_batch_size)
     summary["training_time"] = time.perf_counter() - t0
     logger.log("SUMMARY", summary)
     logger.close()
+    comm.close()
     return summary

@@ -35,7 +35,7 @@ import time
 from typing import Any
 
 from . import overlap
-from .common import write_results
+from .common import free_port, write_results
 from .peers import available_peers, peer_python
 from .stats import stats
 
@@ -43,14 +43,20 @@ __all__ = ["add_arguments", "format_table", "run"]
 
 VARIANTS = {"base": [], "amp": ["--use_amp"], "xla": ["--use_xla"],
             "amp+xla": ["--use_amp", "--use_xla"]}
-BACKENDS = ("shoal", "ddp-shoal", "ddp-gloo", "horovod", "independent")
+BACKENDS = ("shoal", "ddp-shoal", "ddp-gloo", "horovod", "mwms", "independent")
+#: the backends of each framework (``mwms``: TensorFlow's MultiWorkerMirroredStrategy)
+FRAMEWORKS = {"torch": ("shoal", "ddp-shoal", "ddp-gloo", "horovod", "independent"),
+              "tensorflow": ("shoal", "mwms", "independent")}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of ``shoal bench train``."""
     p.add_argument("--np", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--backends", default=",".join(BACKENDS),
-                   help=f"comma-separated, of {', '.join(BACKENDS)}")
+    p.add_argument("--framework", choices=sorted(FRAMEWORKS), default="torch",
+                   help="tensorflow: the Keras application, against MultiWorkerMirroredStrategy")
+    p.add_argument("--backends", default=None,
+                   help="comma-separated, of the framework's: "
+                        + "; ".join(f"{k}: {', '.join(v)}" for k, v in FRAMEWORKS.items()))
     p.add_argument("--settings", default="64:16,128:32",
                    help="image_size:per-worker-batch pairs (communication-heavy, compute-heavy)")
     p.add_argument("--archs", "--arch", default="efficientnet-b0",
@@ -86,7 +92,13 @@ def _app_args(arch: str, setting: str, variant: str, backend: str, model_dir: st
             "--max_epochs", "1", "--steps_per_epoch", str(args.steps + args.warmup),
             "--benchmark_warmup_steps", str(args.warmup), "--backend", backend,
             "--model_dir", model_dir, "--num_workers", "0", "--log_steps", "0",
-            "--log_filename", "log.json", *VARIANTS[variant]]
+            "--log_filename", "log.json", "--framework", args.framework, *VARIANTS[variant]]
+
+
+def _tf_config(n: int, index: int, ports: list[int]) -> str:
+    """``TF_CONFIG`` of worker ``index`` of an ``n``-worker cluster on loopback."""
+    return json.dumps({"cluster": {"worker": [f"localhost:{p}" for p in ports[:n]]},
+                       "task": {"type": "worker", "index": index}})
 
 
 def _throughput(model_dir: str) -> float:
@@ -107,10 +119,17 @@ def _job(backend: str, n: int, arch: str, setting: str, variant: str,
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), **(env_extra or {})}
         if timeline:
             env["SHOAL_TIMELINE"] = os.path.join(tmp, "timeline.json")
+        envs: list[dict[str, str]] = []
         if backend == "independent":
             dirs = [os.path.join(tmp, str(k)) for k in range(n)]
             commands = [_command("shoal", 1, _app_args(arch, setting, variant, "shoal", d, args))
                         for d in dirs]
+        elif backend == "mwms":  # one process per worker, the cluster in TF_CONFIG
+            dirs = [tmp]
+            ports = [free_port() for _ in range(n)]
+            commands = [[sys.executable, *_app_args(arch, setting, variant, backend, tmp, args)]
+                        for _ in range(n)]
+            envs = [{"TF_CONFIG": _tf_config(n, k, ports)} for k in range(n)]
         else:
             dirs = [tmp]
             commands = [_command(backend, n,
@@ -119,10 +138,10 @@ def _job(backend: str, n: int, arch: str, setting: str, variant: str,
         # stall, and its throughput with it
         logs = [os.path.join(tmp, f"stderr.{k}") for k in range(len(commands))]
         procs = []
-        for command, log in zip(commands, logs, strict=True):
+        for k, (command, log) in enumerate(zip(commands, logs, strict=True)):
             with open(log, "w") as err:
                 procs.append(subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=err,
-                                              env=env))
+                                              env={**env, **(envs[k] if envs else {})}))
         failed = []
         try:
             deadline = time.monotonic() + args.timeout
@@ -152,8 +171,8 @@ def _oversubscribed(n: int, threads: int) -> bool:
 
 def format_table(result: dict[str, Any]) -> str:
     """Images/second per configuration, backend and world size, with scaling efficiency."""
-    lines = [f"training throughput (images/s, all workers), synthetic data, "
-             f"{result['threads']} thread(s) per worker"]
+    lines = [f"training throughput (images/s, all workers), {result.get('framework', 'torch')}, "
+             f"synthetic data, {result['threads']} thread(s) per worker"]
     for backend, why in result.get("missing", {}).items():
         lines.append(f"  {backend}: missing ({why})")
     for f in result.get("failed", []):
@@ -184,24 +203,26 @@ def format_table(result: dict[str, Any]) -> str:
 def run(args: argparse.Namespace) -> int:
     """Driver: every (arch, setting, variant, np) runs each backend in turn, ``--trials``
     times."""
-    backends = args.backends.split(",")
+    allowed = FRAMEWORKS[args.framework]
+    backends = (args.backends or ",".join(allowed)).split(",")
     variants = args.variants.split(",")
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         print(f"shoal bench train: unknown variant(s) {unknown}; use {', '.join(VARIANTS)}",
               file=sys.stderr)
         return 2
-    unknown = [b for b in backends if b not in BACKENDS]
+    unknown = [b for b in backends if b not in allowed]
     if unknown:
-        print(f"shoal bench train: unknown backend(s) {unknown}; use {', '.join(BACKENDS)}",
-              file=sys.stderr)
+        print(f"shoal bench train: unknown backend(s) {unknown} for {args.framework}; use "
+              f"{', '.join(allowed)}", file=sys.stderr)
         return 2
     missing: dict[str, str] = {}
     if "horovod" in backends and available_peers().get("horovod") is None:
         missing["horovod"] = ("not installed in the peers venv (scripts/install-peers.sh)"
                               if peer_python() else "no peers venv (scripts/install-peers.sh)")
         backends.remove("horovod")
-    result: dict[str, Any] = {"title": args.title, "steps": args.steps, "warmup": args.warmup,
+    result: dict[str, Any] = {"title": args.title, "framework": args.framework,
+                              "steps": args.steps, "warmup": args.warmup,
                               "threads": args.threads, "cores": os.cpu_count(),
                               "missing": missing, "results": [], "overlap": [], "failed": []}
     for arch in args.archs.split(","):
@@ -212,6 +233,8 @@ def run(args: argparse.Namespace) -> int:
                     for trial in range(args.trials):
                         k = trial % len(backends)
                         for backend in backends[k:] + backends[:k]:
+                            if backend == "mwms" and n == 1:
+                                continue  # one worker: the np=1 shoal job is the reference
                             try:
                                 tput, _ = _job(backend, n, arch, setting, variant, args)
                             except (RuntimeError, subprocess.TimeoutExpired) as exc:
