@@ -3,6 +3,7 @@ from a fixed fixture (Markdown and plots)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -85,6 +86,30 @@ def test_tiny_train_run(tmp_path) -> None:
         assert o["np"] == 2 and o["images_per_s"] > 0
         assert o["steps"] >= 1 and o["comm_ms"] > 0 and 0.0 <= o["hidden_share"] <= 1.0
         assert {s[1] for s in o["excerpt"]} >= {"FORWARD", "BACKWARD", "STEP", "ALLREDUCE"}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None,
+                    reason="tensorflow is not installed")
+def test_tiny_keras_train_run_against_multiworker_mirrored(tmp_path) -> None:
+    out = tmp_path / "train-keras.json"
+    proc = subprocess.run([sys.executable, "-m", "shoal.cli", "bench", "train", "--framework",
+                           "tensorflow", "--np", "1", "2", "--backends", "shoal,mwms",
+                           "--archs", "small-cnn", "--settings", "32:4", "--steps", "2",
+                           "--warmup", "1", "--out", str(out)],
+                          capture_output=True, text=True, timeout=400, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert data["framework"] == "tensorflow"
+    rows = {(r["backend"], r["np"]): r for r in data["results"]}
+    # MultiWorkerMirroredStrategy ran as a real 2-worker TF_CONFIG cluster; one worker is
+    # shoal's np=1 job
+    assert set(rows) == {("shoal", 1), ("shoal", 2), ("mwms", 2)}
+    assert all(r["median"] > 0 for r in rows.values())
+    assert "x mwms" in proc.stdout
+    bad = subprocess.run([sys.executable, "-m", "shoal.cli", "bench", "train", "--backends",
+                          "mwms", "--out", str(tmp_path / "x.json")],
+                         capture_output=True, text=True, timeout=60, check=False)
+    assert bad.returncode == 2 and "for torch" in bad.stderr
 
 
 def test_train_run_records_a_failed_job_and_goes_on(tmp_path) -> None:

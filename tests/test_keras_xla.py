@@ -131,3 +131,52 @@ def test_compiled_step_and_the_error_inside_xla() -> None:
         assert "ShoalError: shoal allreduce cannot run inside XLA" in r["error"]
         assert "xla.compiled_step" in r["error"]
         np.testing.assert_array_equal(r["after"], [1.0])
+
+
+def _optimizer_arguments(rank: int) -> dict:
+    """Keras's DistributedOptimizer with Horovod's arguments, against one process."""
+    import tensorflow as tf
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    import keras
+
+    import shoal.keras as hvd
+    n = hvd.size()
+    rng = np.random.default_rng(5)
+    ids = rng.integers(0, 7, (16, 3))
+    y = rng.standard_normal((16, 2)).astype("float32")
+
+    def model() -> Any:  # an embedding: its gradient is IndexedSlices
+        keras.utils.set_random_seed(2)
+        return keras.Sequential([keras.Input((3,), dtype="int32"), keras.layers.Embedding(7, 4),
+                                 keras.layers.Flatten(), keras.layers.Dense(2)])
+    rows = ids.reshape(2, n, 8 // n, 3)[:, rank].reshape(-1, 3)
+    ys = y.reshape(2, n, 8 // n, 2)[:, rank].reshape(-1, 2)
+    out: dict = {}
+    for label, kwargs in [("num_groups", {"num_groups": 2}),
+                          ("predivide", {"gradient_predivide_factor": 2.0}),
+                          ("sparse", {"sparse_as_dense": False}),
+                          ("dense", {"sparse_as_dense": True}),
+                          ("process_set", {"process_set": hvd.global_process_set}),
+                          ("groups", "layers")]:
+        m = model()
+        if kwargs == "layers":
+            kwargs = {"groups": [m.layers[0].trainable_weights]}
+        m.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), **kwargs),
+                  loss="mse")
+        m.fit(rows, ys, batch_size=8 // n, epochs=2, shuffle=False, verbose=0)
+        out[label] = [w.numpy() for w in m.weights]
+    ref = model()
+    ref.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    ref.fit(ids, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    out["ref"] = [w.numpy() for w in ref.weights]
+    return out
+
+
+def test_distributed_optimizer_takes_horovods_arguments() -> None:
+    results = run_ranks(_optimizer_arguments, 2, timeout=200)
+    for label in ("num_groups", "predivide", "sparse", "dense", "process_set", "groups"):
+        for a, b in zip(results[0][label], results[1][label], strict=True):
+            np.testing.assert_array_equal(a, b, err_msg=label)
+        for a, b in zip(results[0][label], results[0]["ref"], strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=label)

@@ -131,7 +131,7 @@ def _train_table(data: dict[str, Any]) -> list[str]:
     for r in data["results"]:
         rows.setdefault((r["arch"], r["setting"], r["variant"], r["np"]), {})[r["backend"]] = r
     backends = [b for b in _TRAIN_ORDER if any(b in per for per in rows.values())]
-    peers = [b for b in ("ddp-gloo", "horovod", "independent")
+    peers = [b for b in ("ddp-gloo", "horovod", "mwms", "independent")
              if b in backends and "shoal" in backends]
     head = ["model", "size : batch", "variant", "workers",
             *[f"{b} img/s (eff.)" for b in backends], *[f"shoal / {p}" for p in peers]]
@@ -206,7 +206,16 @@ def _train_section(data: dict[str, Any], plots: str, name: str = "train") -> lis
            f"efficiency = throughput(N) / (N x throughput(1)). `independent` is the ceiling: "
            f"N single-worker jobs at once that never communicate, throughputs added up, so "
            f"shoal / independent is the share of the machine's N-worker throughput that shoal "
-           f"keeps. Variants: `amp` = autocast (bf16 on CPU), `xla` = `torch.compile`.", ""]
+           f"keeps. " + (
+               "Variants: `amp` = autocast (bf16 on CPU), `xla` = `torch.compile`."
+               if data.get("framework", "torch") == "torch" else
+               "TensorFlow 2 + Keras 3: `shoal` is `model.fit` with shoal's "
+               "`DistributedOptimizer` under `shoalrun`; `mwms` is TensorFlow's "
+               "`MultiWorkerMirroredStrategy` (ring all-reduce over gRPC), a real `TF_CONFIG` "
+               "cluster on loopback, one process per worker, in the custom loop TensorFlow "
+               "documents for it (Keras 3.15's `fit` fails under it). Variants: `amp` = "
+               "`mixed_float16`, `xla` = `jit_compile=True` (shoal splits the step at the "
+               "optimizer; the `mwms` loop compiles forward and backward)."), ""]
     for backend, why in data.get("missing", {}).items():
         out += [f"**{backend}: missing** ({why}).", ""]
     for f in data.get("failed", []):
