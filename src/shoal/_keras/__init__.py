@@ -20,6 +20,7 @@ from typing import Any
 
 import shoal.core.api as _api
 from shoal.core import ops as _ops
+from shoal.core import process_sets as _process_sets
 from shoal.core.compression import Compression
 
 from . import values
@@ -35,6 +36,8 @@ _SHARED: dict[str, Any] = {  # the same objects on every import path
     **{name: getattr(_api, name) for name in (
         "allgather_object", "broadcast_object", "cross_rank", "cross_size", "init",
         "is_initialized", "local_rank", "local_size", "rank", "shutdown", "size")},
+    **{name: getattr(_process_sets, name) for name in (
+        "ProcessSet", "add_process_set", "global_process_set", "remove_process_set")},
 }
 
 

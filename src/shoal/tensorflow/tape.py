@@ -71,7 +71,7 @@ def reduce_gradients(grads: Sequence[Any], variables: Sequence[Any] | None = Non
                      name: str | None = None) -> list[Any]:
     """A flat list of gradients reduced across the process set (``None`` stays ``None``)."""
     op = resolve_op(None, op)
-    pre = post = 1.0
+    sparse_op, pre, post = op, 1.0, 1.0
     if gradient_predivide_factor != 1.0:
         if op != ReduceOp.AVERAGE:
             raise ValueError("gradient_predivide_factor only applies to op=Average")
@@ -89,11 +89,19 @@ def reduce_gradients(grads: Sequence[Any], variables: Sequence[Any] | None = Non
     for k, group in enumerate(_groups(len(present), vars_present, groups)):
         at = [present[i] for i in group]
         part = base if base is None or k == 0 else f"{base}.g{k}"
-        reduced = grouped_allreduce([out[i] for i in at], compression=compression, op=op,
-                                    prescale_factor=pre, postscale_factor=post,
-                                    process_set=process_set, name=part)
-        for i, g in zip(at, reduced, strict=True):
-            out[i] = g
+        # IndexedSlices are gathered, not summed, so predividing has nothing to protect:
+        # they take the plain op
+        sparse = [i for i in at if isinstance(out[i], tf.IndexedSlices)]
+        dense = [i for i in at if i not in sparse]
+        for idx, kw, tag in ((dense, dict(op=op, prescale_factor=pre, postscale_factor=post),
+                              ""), (sparse, dict(op=sparse_op), ".sparse")):
+            if not idx:
+                continue
+            reduced = grouped_allreduce([out[i] for i in idx], compression=compression,
+                                        process_set=process_set,
+                                        name=None if part is None else part + tag, **kw)
+            for i, g in zip(idx, reduced, strict=True):
+                out[i] = g
     return out
 
 
