@@ -85,13 +85,6 @@ def resolve_op(average: bool | None, op: ReduceOp | None) -> ReduceOp:
     return ReduceOp.AVERAGE if op is None else ReduceOp(op)
 
 
-def no_process_sets(process_set: object) -> None:
-    """Adapters accept Horovod's ``process_set=`` argument but only the global set."""
-    if process_set is not None:
-        raise NotImplementedError("process sets are not supported yet: every collective runs "
-                                  "on all ranks; leave process_set=None")
-
-
 def check_array(array: object, what: str, rank: int, op: ReduceOp | None = None,
                 bf16: bool = False) -> str:
     """Validate a collective's input; return its logical dtype name.

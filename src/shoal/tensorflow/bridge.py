@@ -42,7 +42,7 @@ from shoal.core.errors import (
     ShoalTimeoutError,
 )
 
-__all__ = ["Collective", "as_tf_error", "dense", "run", "site_name"]
+__all__ = ["Collective", "as_tf_error", "run", "site_name"]
 
 _TF_ERRORS: list[tuple[type[BaseException], type[tf.errors.OpError]]] = [
     (CollectiveMismatchError, tf.errors.FailedPreconditionError),
@@ -83,12 +83,6 @@ class _TraceState:
 
     count: int = 0                    # collectives named so far (outermost graph only)
     last: list[Any] = field(default_factory=list)  # outputs of the previous collective op
-
-
-def dense(value: Any) -> tf.Tensor:
-    """A dense tensor for ``value`` (``IndexedSlices`` gradients are densified, as Horovod's
-    ``sparse_as_dense=True`` does)."""
-    return tf.convert_to_tensor(value)
 
 
 def _state(graph: Any) -> _TraceState:
@@ -136,7 +130,7 @@ def run(fn: Collective, tensors: Sequence[Any], *, label: str, name: str | None,
         out_shapes: Sequence[tf.TensorShape] | None = None) -> list[tf.Tensor]:
     """Apply the numpy collective ``fn`` to ``tensors``; outputs default to the inputs'
     dtypes and shapes. Eagerly it runs now; in a graph it becomes one ordered op."""
-    tensors = [dense(t) for t in tensors]
+    tensors = [tf.convert_to_tensor(t) for t in tensors]
     dtypes = list(out_dtypes) if out_dtypes is not None else [t.dtype for t in tensors]
     shapes = list(out_shapes) if out_shapes is not None else [t.shape for t in tensors]
     if not tensors:

@@ -71,26 +71,23 @@ def local_size_op(name: str | None = None) -> tf.Tensor:
     return _value_op(api.local_size, name)
 
 
-def broadcast_variables(variables: Sequence[Any], root_rank: int = 0, name: str | None = None,
-                        process_set: Any = ps_.global_process_set,
-                        inplace: bool = False) -> Any:
-    """Overwrite ``variables`` with ``root_rank``'s values; all travel together. Eagerly the
-    assignment is done on return; in a graph the grouped assignment op is returned."""
-    variables = list(variables)
-    values = ops.broadcast_n([tf.convert_to_tensor(v) for v in variables], root_rank,
-                             name=name, process_set=process_set, label="broadcast_variables")
-    assigns = [v.assign(x) for v, x in zip(variables, values, strict=True)]
-    return None if tf.executing_eagerly() else tf.group(*assigns)
-
-
 def broadcast_(variables: Sequence[Any], root_rank: int, name: str | None = None,
                process_set: Any = ps_.global_process_set) -> list[Any]:
-    """Horovod's in-place broadcast: ``root_rank``'s values assigned to ``variables``;
-    returns the variables' new values."""
+    """Horovod's in-place broadcast: ``root_rank``'s values assigned to ``variables`` (all
+    travel together); returns the variables' new values."""
     variables = list(variables)
     values = ops.broadcast_n([tf.convert_to_tensor(v) for v in variables], root_rank,
                              name=name, process_set=process_set, label="broadcast_")
     return [v.assign(x) for v, x in zip(variables, values, strict=True)]
+
+
+def broadcast_variables(variables: Sequence[Any], root_rank: int = 0, name: str | None = None,
+                        process_set: Any = ps_.global_process_set,
+                        inplace: bool = False) -> Any:
+    """:func:`broadcast_`, Horovod's older spelling: eagerly the assignment is done on
+    return; in a graph the grouped assignment op is returned."""
+    assigns = broadcast_(variables, root_rank, name, process_set)
+    return None if tf.executing_eagerly() else tf.group(*assigns)
 
 
 def broadcast_object(obj: Any, root_rank: int = 0, session: Any = None, name: str | None = None,
