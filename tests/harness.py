@@ -123,3 +123,11 @@ def run_ranks(fn: Callable[..., Any], n: int, *args: Any, hosts: Sequence[str] |
             lines.append(f"ranks {missing} never reported (hung or died) within {timeout}s")
         raise RankFailureError("\n".join(lines), errors)
     return [outcomes[r][1] for r in range(n)]
+
+
+def single_threaded_tf() -> Any:
+    """Import TensorFlow in a rank with one thread per pool (the ranks share 2 cores)."""
+    import tensorflow as tf
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    return tf

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from harness import run_ranks
+from harness import run_ranks, single_threaded_tf
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None,
                                 reason="tensorflow is not installed")
@@ -75,9 +75,7 @@ def _flags(data_dir: str, model_dir: str, epochs: int, *extra: str) -> list[str]
 
 
 def _train_and_resume(rank: int, data_dir: str, root: str) -> dict:
-    import tensorflow as tf
-    tf.config.threading.set_intra_op_parallelism_threads(1)
-    tf.config.threading.set_inter_op_parallelism_threads(1)
+    single_threaded_tf()
     from apps.efficientnet.config import parse_args
     from apps.efficientnet.keras.train import run
     straight = run(parse_args(_flags(data_dir, f"{root}/straight", 3)))

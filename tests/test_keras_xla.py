@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from harness import run_ranks
+from harness import run_ranks, single_threaded_tf
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None,
                                 reason="tensorflow is not installed")
@@ -32,9 +32,7 @@ def _model(keras: Any) -> Any:
 
 
 def _fit(rank: int, jit: bool, policy: str) -> dict:
-    import tensorflow as tf
-    tf.config.threading.set_intra_op_parallelism_threads(1)
-    tf.config.threading.set_inter_op_parallelism_threads(1)
+    tf = single_threaded_tf()
     import keras
 
     import shoal.keras as hvd
@@ -82,9 +80,7 @@ def test_fit_split_matches_one_process(jit: bool, policy: str) -> None:
 
 
 def _custom_loop(rank: int) -> dict:
-    import tensorflow as tf
-    tf.config.threading.set_intra_op_parallelism_threads(1)
-    tf.config.threading.set_inter_op_parallelism_threads(1)
+    tf = single_threaded_tf()
     import keras
 
     import shoal.tensorflow as hvd
@@ -135,9 +131,7 @@ def test_compiled_step_and_the_error_inside_xla() -> None:
 
 def _optimizer_arguments(rank: int) -> dict:
     """Keras's DistributedOptimizer with Horovod's arguments, against one process."""
-    import tensorflow as tf
-    tf.config.threading.set_intra_op_parallelism_threads(1)
-    tf.config.threading.set_inter_op_parallelism_threads(1)
+    single_threaded_tf()
     import keras
 
     import shoal.keras as hvd

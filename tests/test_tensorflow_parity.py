@@ -16,17 +16,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from harness import run_ranks
+from harness import run_ranks, single_threaded_tf
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None,
                                 reason="tensorflow is not installed")
 
 
 def _tf() -> Any:
-    import tensorflow as tf
-    tf.config.threading.set_intra_op_parallelism_threads(1)
-    tf.config.threading.set_inter_op_parallelism_threads(1)
-    return tf
+    return single_threaded_tf()
 
 
 def _data(rank: int, i: int, shape: tuple[int, ...], dtype: str) -> np.ndarray:
