@@ -57,8 +57,13 @@ class Handle:
         self._future.add_done_callback(lambda _f: fn(self))
 
 
+# (shape, dtype, op, codec, bf16) of an allreduce that passed check_array -> (logical dtype,
+# description); what check_array looks at besides is the type and contiguity, checked anew
+_CHECKED: dict[tuple, tuple[str, str]] = {}
+
+
 def _storage(array: np.ndarray, dtype: str) -> np.ndarray:
-    flat = array.reshape(-1)
+    flat = array if array.ndim == 1 else array.reshape(-1)
     return flat.view(np.uint16) if dtype == "bfloat16" else flat
 
 
@@ -120,18 +125,9 @@ class Collectives:
         caller has fused its tensors already (a gradient bucket): the engine starts it at once
         instead of waiting ``cycle_time_ms`` for more requests to fuse it with.
         """
-        engine = self.engine
         op = ReduceOp(op)
-        name = self._auto_name("allreduce", name)
-        dtype = check_array(array, f"allreduce tensor {name!r}", engine.rank, op, bf16)
-        if out is None:
-            out = np.empty_like(array)
-        elif out.shape != array.shape or out.dtype != array.dtype or not out.flags.c_contiguous:
-            raise ValueError(f"rank {engine.rank}: output for {name!r} must be a C-contiguous "
-                             f"{array.dtype} array of shape {array.shape}")
-        desc = (f"allreduce shape={_shape(array)} dtype={dtype} op={op.name.capitalize()} "
-                f"compression={compression.name}")
-        src, dst = _storage(array, dtype), _storage(out, dtype)
+        name, dtype, desc, out, src, dst = self._allreduce_args(array, op, name, out,
+                                                                compression, bf16)
         if prescale_factor != 1.0:
             if dst is not src and dst.ctypes.data != src.ctypes.data:
                 np.copyto(dst, src)
@@ -141,11 +137,46 @@ class Collectives:
                       fused=fused)
         return self._chain(req, out, _wake, _postscale(dst, postscale_factor, dtype))
 
+    def _allreduce_args(self, array: np.ndarray, op: ReduceOp, name: str | None,
+                        out: np.ndarray | None, compression: Codec, bf16: bool
+                        ) -> tuple[str, str, str, np.ndarray, np.ndarray, np.ndarray]:
+        """Checked arguments of an allreduce: name, logical dtype, description, output, and
+        the flat storage views of input and output."""
+        rank = self.engine.rank
+        name = self._auto_name("allreduce", name)
+        checked = None
+        if type(array) is np.ndarray and array.flags.c_contiguous:
+            key = (array.shape, array.dtype, op, compression.name, bf16)
+            checked = _CHECKED.get(key)
+        if checked is None:  # checking and formatting cost more than a small reduction
+            dtype = check_array(array, f"allreduce tensor {name!r}", rank, op, bf16)
+            if len(_CHECKED) > 4096:
+                _CHECKED.clear()
+            checked = _CHECKED[key] = dtype, (
+                f"allreduce shape={_shape(array)} dtype={dtype} op={op.name.capitalize()} "
+                f"compression={compression.name}")
+        dtype, desc = checked
+        if out is None:
+            out = np.empty_like(array)
+        elif out.shape != array.shape or out.dtype != array.dtype or not out.flags.c_contiguous:
+            raise ValueError(f"rank {rank}: output for {name!r} must be a C-contiguous "
+                             f"{array.dtype} array of shape {array.shape}")
+        return name, dtype, desc, out, _storage(array, dtype), _storage(out, dtype)
+
     def allreduce(self, array: np.ndarray, op: ReduceOp = ReduceOp.AVERAGE,
                   name: str | None = None, out: np.ndarray | None = None,
                   compression: Codec = Compression.none, *, bf16: bool = False) -> np.ndarray:
         """Combine ``array`` across all ranks (average by default); returns a new array unless
-        ``out`` is given (``out=array`` reduces in place)."""
+        ``out`` is given (``out=array`` reduces in place).
+
+        Up to ``SHOAL_SMALL_MESSAGE_BYTES`` on one host, a name seen before completes in
+        one synchronisation round (:mod:`shoal.core.small`)."""
+        if compression is Compression.none and self.engine.small_bytes:
+            op = op if type(op) is ReduceOp else ReduceOp(op)
+            args = self._allreduce_args(array, op, name, out, compression, bf16)
+            name, dtype, desc, out, src, dst = args
+            if self.engine.allreduce_small(name, desc, src, dst, op, dtype):
+                return out
         return self.allreduce_async(array, op, name, out, compression, bf16=bf16,
                                     _wake=False).wait()
 

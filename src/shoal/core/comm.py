@@ -63,6 +63,7 @@ class Transport:
         self.size = world.size
         self.mesh = mesh
         self.shm = shm
+        self._local_ranks = world.local_ranks
         self.algorithm = algorithms.select(self, cfg.allreduce_algorithm) if self.size > 1 \
             else "local"
         log.info("rank %d: allreduce algorithm %s (%d hosts x %d local ranks)", self.rank,
@@ -82,7 +83,7 @@ class Transport:
         if self.shm is not None and w.homogeneous:
             local = self.shm.allgather_bytes(blob, what)
             if w.cross_size == 1:
-                for r, b in zip(w.local_ranks, local, strict=True):
+                for r, b in zip(self._local_ranks, local, strict=True):
                     out[r] = b
                 return out
             nodes = self._tcp_gather(w.cross_peers, pack_blobs(local), what)

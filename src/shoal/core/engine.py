@@ -41,13 +41,15 @@ from .config import Config
 from .errors import CollectiveMismatchError, PeerLostError, ShoalError, ShoalTimeoutError
 from .neutral import neutral_allreduce, parse_allreduce_desc
 from .ops import ReduceOp
+from .small import SmallPath
 from .timeline import Timeline
 
 __all__ = ["Engine", "Kind", "Request", "mismatch_message"]
 
 log = logging.getLogger("shoal.engine")
 _HEAD = struct.Struct("!qqB")  # bit-vector bytes, cache size, flags
-_STUCK, _JOINED = 1, 2  # flags: waited past stall_warning_s; this rank has called join()
+# flags: waited past stall_warning_s; this rank has called join(); a payload rides along
+_STUCK, _JOINED, _FAST = 1, 2, 4
 
 
 class Kind(enum.Enum):
@@ -98,7 +100,7 @@ def mismatch_message(what: str, descs: dict[int, str]) -> str:
     return "\n".join(lines)
 
 
-class Engine:
+class Engine(SmallPath):
     """Negotiates, orders, fuses and runs this process's collectives."""
 
     def __init__(self, comm: Transport, cfg: Config,
@@ -125,6 +127,9 @@ class Engine:
         self.epoch = 0  # bumped (on every rank alike) when ranks were found diverged
         self._join: Request | None = None  # this rank's join() in progress
         self._join_seen: dict[int, int] = {}  # rank -> round it was first seen joined
+        self._small_heads: dict[int, tuple[bytes, int]] = {}
+        self.small_bytes = self.small_limit()
+        self.small_rounds = 0
         self._thread = threading.Thread(target=self._loop, name="shoal-engine", daemon=True)
         self._thread.start()
 
@@ -277,6 +282,35 @@ class Engine:
             flags |= _JOINED
         return _HEAD.pack(len(packed), len(self._by_id), flags) + packed + tail
 
+    def _proposal_of(self, cache_id: int, token: int) -> tuple[bytes, int]:
+        """The proposal of exactly the cached name ``cache_id`` with a payload riding along
+        (the small path's; its ``token`` says which: (cache size << 32) | id), and the
+        payload bytes that fit behind it; the same on every rank that proposes the same."""
+        n_cached = token >> 32
+        if len(self._small_heads) > 4096:
+            self._small_heads.clear()
+        bits = np.zeros(n_cached, bool)
+        bits[cache_id] = True
+        packed = np.packbits(bits).tobytes()
+        blob = _HEAD.pack(len(packed), n_cached, _FAST) + packed + b"[]"
+        room = self.comm.shm.chunk_bytes - self.comm.shm.payload_offset(len(blob))
+        self._small_heads[token] = blob, room
+        return blob, room
+
+    def _adopt(self, name: str, src: np.ndarray, dst: np.ndarray, dtype: str, desc: str,
+               op: ReduceOp, blobs: list[bytes]) -> Future:
+        """The small path's round did not agree: settle it as a general round (the same on
+        every rank), with the request now pending like any other."""
+        req = Request(Kind.ALLREDUCE, name, src, dst, dtype, desc, op=op)
+        with self._cv:
+            if name in self._pending:
+                raise ValueError(f"rank {self.rank}: a collective named {name!r} is already "
+                                 f"in flight; wait for it or use another name")
+            self._pending[name] = req
+        now = time.perf_counter()  # (for a timeline, which the small path never runs with)
+        self._settle(blobs, [req], now, now)
+        return req.future
+
     def _round(self) -> bool:
         """One negotiation round and the collectives it agrees on; True if any ran."""
         with self._cv:
@@ -284,7 +318,11 @@ class Engine:
         t0 = time.perf_counter()
         blobs = self.comm.gather_all(self._proposal(reqs), "negotiation round")
         self.rounds += 1
-        t1 = time.perf_counter()
+        return self._settle(blobs, reqs, t0, time.perf_counter())
+
+    def _settle(self, blobs: list[bytes], reqs: Sequence[Request], t0: float, t1: float
+                ) -> bool:
+        """Decide on every rank's proposals and run what they agree on."""
         order, extras, refused = self._decide(blobs, reqs)
         mine = {r.name: r for r in reqs}
         runnable = [mine[name] if name in mine else self._neutral(name) for name in order]

@@ -36,6 +36,7 @@ __all__ = ["ShmGroup", "segment_dir", "segment_path"]
 _HEADER = 4096
 _LINE = 8  # int64 words per cache line
 _ARRIVE, _REDUCED, _PID, _ABORT = (i * _LINE for i in range(4))
+_TOKEN = _ARRIVE + 1  # 2 words: what a negotiation round proposes, in brief (small_round)
 _LIVENESS_EVERY_S = 0.02
 
 
@@ -147,6 +148,15 @@ class ShmGroup:
         barrier("shm-ready")
         self._pids = [int(h[_PID]) for h in self._hdr]
         self._peers = [p for p in range(self.n) if p != me]
+        # each slot's first word: the length of the blob in it
+        self._lens = [[slot[:8].view(np.int64) for slot in slots] for slots in self._slots]
+        # the same memory as memoryviews: whole segments as int64 words, slots as bytes
+        self._words = [memoryview(m).cast("q") for m in self._maps]
+        self._bytes = [[memoryview(m)[_HEADER + s * self.chunk_bytes:
+                                      _HEADER + (s + 1) * self.chunk_bytes] for s in (0, 1)]
+                       for m in self._maps]
+        self._views: dict[tuple, list[np.ndarray]] = {}
+        self._length_word = [(_HEADER + s * self.chunk_bytes) // 8 for s in (0, 1)]
 
     # -- synchronisation ---------------------------------------------------------------
     def _wait(self, slot: int, seq: int, what: str) -> None:
@@ -216,6 +226,7 @@ class ShmGroup:
             mine = slots[self.me]
             mine[:8].view(np.int64)[0] = len(blob)
             mine[8:8 + len(blob)] = np.frombuffer(blob, np.uint8)
+            self._hdr[self.me][_TOKEN + (seq & 1)] = 0
             self._hdr[self.me][_ARRIVE] = seq
             self._wait(_ARRIVE, seq, what)
             sizes = [int(s[:8].view(np.int64)[0]) for s in slots]
@@ -224,6 +235,68 @@ class ShmGroup:
             self.seq -= 1  # a peer's blob is bigger: redo it the long way, from this round
             return self._allgather_long(blob, what, cap, resume=True)
         return self._allgather_long(blob, what, cap, resume=False)
+
+    @staticmethod
+    def payload_offset(blob_bytes: int) -> int:
+        """Where :meth:`small_round` puts the payload behind a blob of ``blob_bytes``
+        (64-byte aligned)."""
+        return (8 + blob_bytes + 63) & ~63
+
+    def small_round(self, blob: bytes, token: int, payload: np.ndarray,
+                    what: str) -> list[np.ndarray] | None:
+        """A round of :meth:`allgather_bytes` with ``payload`` (flat, fitting the slot behind
+        the blob: see :meth:`payload_offset`) riding along, and ``token`` (non-zero, a
+        function of the blob, given as uint8) beside the arrival flag. If every rank
+        published the same token: every rank's payload, viewed in its slot with the
+        payload's dtype, in local-rank order (views kept for the next round of the same
+        shape: read them now); their data stays valid until this rank starts its next round
+        but one (a peer rewrites a slot only after every rank arrived at the round in
+        between). Otherwise None, and :meth:`round_blobs` reads the round as an ordinary
+        one.
+
+        The latency path of every small collective, measured call by call: memoryviews for
+        flags and bytes (a numpy scalar store costs three times as much), typed views made
+        once per shape, no allocation."""
+        self.seq = seq = self.seq + 1
+        k = seq & 1
+        me = self.me
+        n = len(blob)
+        off = (8 + n + 63) & ~63
+        key = (k, off, payload.size, payload.dtype)
+        views = self._views.get(key)
+        if views is None:  # typed views of every slot at this place, made once
+            if len(self._views) > 1024:
+                self._views.clear()
+            views = self._views[key] = [
+                np.ndarray(payload.size, payload.dtype, buffer=m, offset=_HEADER + k *
+                           self.chunk_bytes + off) for m in self._maps]
+        mine = self._bytes[me][k]
+        mine[8:8 + n] = blob
+        views[me][...] = payload
+        words = self._words
+        own = words[me]
+        own[self._length_word[k]] = n  # the slot's first word: its blob's length
+        word = _TOKEN + k  # one per slot: a peer a round ahead must not overwrite it
+        own[word] = token
+        own[_ARRIVE] = seq
+        for p in self._peers:
+            if words[p][_ARRIVE] < seq:
+                self._wait(_ARRIVE, seq, what)
+                break
+        for p in self._peers:
+            if words[p][word] != token:
+                return None
+        return views
+
+    def round_blobs(self, blob: bytes, what: str) -> list[bytes]:
+        """Every local rank's blob of the :meth:`small_round` just run (``blob`` is this
+        rank's), finishing it the long way if a peer's did not fit one slot."""
+        k = self.seq & 1
+        sizes = [int(lens[k][0]) for lens in self._lens]
+        if max(sizes) <= self.chunk_bytes - 8:
+            return [s[k][8:8 + n].tobytes() for s, n in zip(self._slots, sizes, strict=True)]
+        self.seq -= 1
+        return self._allgather_long(blob, what, self.chunk_bytes - 8, resume=True)
 
     def _allgather_long(self, blob: bytes, what: str, cap: int, resume: bool) -> list[bytes]:
         out = [bytearray() for _ in range(self.n)]
@@ -236,6 +309,7 @@ class ShmGroup:
             piece = blob[offset:offset + cap]
             offset += len(piece)
             if not resume:  # (resuming: this round's slots are already written and read)
+                self._hdr[self.me][_TOKEN + (seq & 1)] = 0
                 slots[self.me][:8].view(np.int64)[0] = len(blob)
                 slots[self.me][8:8 + len(piece)] = np.frombuffer(piece, np.uint8)
                 self._hdr[self.me][_ARRIVE] = seq
@@ -398,6 +472,11 @@ class ShmGroup:
         """Unmap the segments (they were unlinked at set-up)."""
         self._hdr = []
         self._slots = []
+        self._lens = []
+        for views in (self._words, *self._bytes):
+            for view in views:
+                view.release()
+        self._words, self._bytes, self._views = [], [], {}
         for m in self._maps:
             # a view may still be alive somewhere; then the mapping goes with the process
             with contextlib.suppress(BufferError):

@@ -1,0 +1,158 @@
+"""The one-round path for small allreduces (:mod:`shoal.core.small`): against numpy at 2, 3
+and 4 ranks for every dtype and op, odd and empty lengths, up to and past the size limit,
+results bitwise identical on every rank; and each way a round can fail to agree (another
+request pending, a rank late, a changed shape, different names, a joined rank), after
+which the request completes the general way and shoal stays usable."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+
+import numpy as np
+import pytest
+
+from harness import run_ranks
+from reference import ALL_DTYPES, FLOATS, assert_matches, dtype_of, rank_input, reference
+
+SHAPES = [(1,), (7,), (33, 3), (0,), (4096,)]
+
+
+def _ops(dtype: str) -> list[str]:
+    if dtype == "bool":
+        return ["MIN", "MAX"]
+    return ["SUM", "AVERAGE", "MIN", "MAX"] + (["PRODUCT"] if dtype in FLOATS else [])
+
+
+def _against_numpy(rank: int) -> tuple[str, int]:
+    import shoal
+    n = shoal.size()
+    engine = shoal.communicator().engine
+    digest = hashlib.sha256()
+    calls = 0
+    for dtype in ALL_DTYPES:
+        for op in _ops(dtype):
+            for shape in SHAPES:
+                name = f"{dtype}.{op}.{shape}"
+                for step in range(3):  # the first negotiates; the next ones take one round
+                    case = f"{name}/{step}"
+                    inputs = [rank_input(case, r, shape, dtype, special=op != "PRODUCT")
+                              for r in range(n)]
+                    got = shoal.allreduce(inputs[rank], op=shoal.ReduceOp[op], name=name,
+                                          bf16=dtype == "bfloat16" and
+                                          inputs[rank].dtype != dtype_of(dtype))
+                    assert_matches(got, reference(inputs, op, dtype), dtype, case, inputs)
+                    digest.update(np.ascontiguousarray(got).tobytes())
+                    calls += 1
+    # in place, and into out=
+    x = rank_input("inplace", rank, (5,), "float32")
+    want = reference([rank_input("inplace", r, (5,), "float32") for r in range(n)], "SUM",
+                     "float32")
+    for _ in range(3):
+        y = x.copy()
+        shoal.allreduce(y, op=shoal.Sum, name="inplace", out=y)
+        assert_matches(y, want, "float32", "in place")
+    assert calls > 0
+    return digest.hexdigest(), engine.small_rounds
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_small_allreduce_matches_numpy(n: int) -> None:
+    results = run_ranks(_against_numpy, n, timeout=240)
+    assert len({digest for digest, _ in results}) == 1  # the same bits on every rank
+    rounds = [r for _, r in results]
+    assert len(set(rounds)) == 1 and rounds[0] > 100, rounds  # the path was taken
+
+
+def _limit(rank: int) -> list[int]:
+    import shoal
+    engine = shoal.communicator().engine
+    limit = engine.small_bytes
+    counts = []
+    for nbytes in (limit, limit + 8):
+        before = engine.small_rounds
+        x = np.full(nbytes // 8, rank + 1.0)
+        for _ in range(3):
+            got = shoal.allreduce(x, op=shoal.Sum, name=f"limit{nbytes}")
+            assert np.all(got == sum(range(1, shoal.size() + 1)))
+        counts.append(engine.small_rounds - before)
+    return counts
+
+
+def test_size_limit_and_knob() -> None:
+    assert run_ranks(_limit, 2, timeout=60) == [[2, 0]] * 2  # at the limit: yes; past: no
+    assert run_ranks(_limit, 2, timeout=60, small_message_bytes=1024) == [[2, 0]] * 2
+    assert run_ranks(_limit, 2, timeout=60, allreduce_algorithm="ring") == [[0, 0]] * 2
+
+
+def _disagreements(rank: int) -> str:
+    import shoal
+    n = shoal.size()
+    engine = shoal.communicator().engine
+    total = float(sum(range(n)))
+    mine = np.array([float(rank)])
+
+    def check(name: str) -> None:
+        assert shoal.allreduce(mine, op=shoal.Sum, name=name).tolist() == [total], name
+
+    for _ in range(2):
+        check("a")
+        check("b")
+    # another request pending on rank 0 only: its round is a general one, and the small
+    # proposals of the others are settled with it
+    if rank == 0:
+        handle = shoal.allreduce_async(mine, op=shoal.Sum, name="c")
+        check("a")
+        assert handle.wait().tolist() == [total]
+    else:
+        check("a")
+        check("c")
+    # a late rank: the others wait in the round
+    if rank == n - 1:
+        time.sleep(0.3)
+    check("b")
+    # a changed shape on one rank: refused on every rank, nothing moved, shoal goes on
+    bad = np.zeros(2 if rank == 0 else 1)
+    with pytest.raises(shoal.CollectiveMismatchError, match="'a'"):
+        shoal.allreduce(bad, op=shoal.Sum, name="a")
+    check("a")
+    # different cached names on different ranks: every rank learns they cannot match
+    with pytest.raises(shoal.CollectiveMismatchError, match="cannot match"):
+        shoal.allreduce(mine, op=shoal.Sum, name="a" if rank == 0 else "b")
+    check("a")
+    check("b")
+    # a rank that joined contributes zeros to the others' small allreduces
+    if rank == 0:
+        assert shoal.join() in range(1, n)
+    else:
+        got = shoal.allreduce(mine, op=shoal.Sum, name="a")
+        assert got.tolist() == [total], got
+        shoal.join()
+    check("a")
+    assert engine.small_rounds > 0
+    return "ok"
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_disagreeing_rounds_fall_back(n: int) -> None:
+    assert run_ranks(_disagreements, n, timeout=90, stall_warning_s=1.0) == ["ok"] * n
+
+
+def _async_mix(rank: int) -> bool:
+    """Small synchronous calls from the main thread while the engine's thread runs
+    asynchronous ones: the two paths take turns without mixing up rounds."""
+    import shoal
+    n = shoal.size()
+    ok = True
+    for step in range(40):
+        handles = [shoal.allreduce_async(np.full(3, float(rank + i)), op=shoal.Sum,
+                                         name=f"async{i}") for i in range(3)]
+        got = shoal.allreduce(np.array([rank + step], np.int64), op=shoal.Sum, name="sync")
+        ok &= got.tolist() == [sum(range(n)) + n * step]
+        for i, h in enumerate(handles):
+            ok &= h.wait().tolist() == [float(sum(range(n)) + n * i)] * 3
+    return ok
+
+
+def test_small_path_with_async_requests() -> None:
+    assert run_ranks(_async_mix, 3, timeout=90) == [True] * 3
