@@ -181,19 +181,27 @@ def _syncbn(rank: int) -> None:
         plain.bias.copy_(torch.rand(4))
         sync.weight.copy_(plain.weight)
         sync.bias.copy_(plain.bias)
-    xs = [torch.randn(b, 4, 5, 5, generator=torch.Generator().manual_seed(r)) * (r + 1)
-          for r in range(n)]
-    gs = [torch.randn(b, 4, 5, 5, generator=torch.Generator().manual_seed(50 + r))
-          for r in range(n)]
-    x = xs[rank].clone().requires_grad_(True)
-    out = sync(x)
-    (out * gs[rank]).sum().backward()
-    full = torch.cat(xs).requires_grad_(True)
-    ref = plain(full)
-    (ref * torch.cat(gs)).sum().backward()
-    torch.testing.assert_close(out, ref[rank * b:(rank + 1) * b], rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(x.grad, full.grad[rank * b:(rank + 1) * b], rtol=1e-4,
-                               atol=1e-5)
+    import shoal
+    engine = shoal.communicator().engine
+    for step in range(3):  # the same layer every step: after the first, one round a call
+        if step == 1:
+            before = engine.small_rounds
+        sync.weight.grad = plain.weight.grad = None
+        xs = [torch.randn(b, 4, 5, 5, generator=torch.Generator().manual_seed(r + 9 * step))
+              * (r + 1) for r in range(n)]
+        gs = [torch.randn(b, 4, 5, 5, generator=torch.Generator().manual_seed(50 + r + step))
+              for r in range(n)]
+        x = xs[rank].clone().requires_grad_(True)
+        out = sync(x)
+        (out * gs[rank]).sum().backward()
+        full = torch.cat(xs).requires_grad_(True)
+        ref = plain(full)
+        (ref * torch.cat(gs)).sum().backward()
+        torch.testing.assert_close(out, ref[rank * b:(rank + 1) * b], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(x.grad, full.grad[rank * b:(rank + 1) * b], rtol=1e-4,
+                                   atol=1e-5)
+    # forward and backward of steps 2 and 3
+    assert engine.small_rounds - before >= 4, engine.small_rounds - before
     # parameter gradients are local sums; summed over ranks they are the global ones
     wsum = hvd.allreduce(sync.weight.grad, op=hvd.Sum, name="wg")
     torch.testing.assert_close(wsum, plain.weight.grad, rtol=1e-4, atol=1e-5)

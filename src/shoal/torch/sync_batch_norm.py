@@ -1,11 +1,11 @@
 """``SyncBatchNorm``: batch statistics over the global batch, on CPU as well as GPU.
 
 torch's own ``nn.SyncBatchNorm`` refuses CPU modules. This one computes per-channel count,
-sum and sum of squares locally, allreduces them (one small fused request per call), and
-normalises with the global mean and biased variance; running statistics use the unbiased
-global variance, as single-process BatchNorm over the whole batch would. Backward allreduces
-the two per-channel sums the input gradient needs. Ranks must call the layers in the same
-order (they do when they run the same model).
+sum and sum of squares locally, allreduces them (one small request per call: one round in
+steady state), and normalises with the global mean and biased variance; running statistics
+use the unbiased global variance, as single-process BatchNorm over the whole batch would.
+Backward allreduces the two per-channel sums the input gradient needs. Ranks must call the
+layers in the same order (they do when they run the same model).
 """
 
 from __future__ import annotations
@@ -88,7 +88,6 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device,
                          dtype)
         self._shoal_id = next(_ids)
-        self._calls = 0
 
     def _check_input_dim(self, x: torch.Tensor) -> None:
         if x.dim() < 2:
@@ -99,8 +98,10 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         use_batch = self.training or not self.track_running_stats
         if not use_batch or not shoal.is_initialized() or shoal.size() == 1:
             return super().forward(x)
-        self._calls += 1
-        name = f"syncbn.{self._shoal_id}.{self._calls}"
+        # the same name every step: after the first, the statistics of a layer travel in
+        # one synchronisation round (shoal.core.small), the payload riding with the
+        # negotiation (a name new each call was negotiated in full every time)
+        name = f"syncbn.{self._shoal_id}"
         out, mean, unbiased = _SyncBN.apply(x, self.weight, self.bias, self.eps, name)
         if self.training and self.track_running_stats:
             with torch.no_grad():
