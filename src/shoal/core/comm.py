@@ -118,22 +118,39 @@ class Transport:
             return
         algorithms.ALGORITHMS[self.algorithm](self, srcs, dsts, op, dtype, codec, what, phases)
 
+    @property
+    def one_host_shm(self) -> bool:
+        """Whether every rank is on this host and shares memory with it."""
+        return self.shm is not None and self.world.cross_size == 1
+
     def allgather(self, array: np.ndarray, rows: Sequence[int], out: np.ndarray,
                   what: str) -> None:
-        """Concatenate every rank's ``array`` (``rows[r]`` rows from rank r) into ``out``."""
+        """Concatenate every rank's ``array`` (``rows[r]`` rows from rank r) into ``out``:
+        through shared memory on one host, else over TCP."""
         offsets = np.cumsum([0, *rows])
         parts = [out[offsets[r]:offsets[r + 1]] for r in range(self.size)]
         np.copyto(parts[self.rank], array)
+        if self.size == 1:
+            return
+        if self.one_host_shm:
+            self.shm.gather_streams(array, [p.nbytes for p in parts],
+                                    {p: parts[p] for p in range(self.size) if p != self.rank},
+                                    what)
+            return
         peers = [p for p in range(self.size) if p != self.rank]
-        if peers:
-            self.mesh.exchange([(p, _u8(array)) for p in peers],
-                               [(p, _u8(parts[p])) for p in peers], what=what)
+        self.mesh.exchange([(p, _u8(array)) for p in peers],
+                           [(p, _u8(parts[p])) for p in peers], what=what)
 
     def broadcast(self, array: np.ndarray, root: int, what: str) -> None:
-        """Overwrite ``array`` with the root's, in place."""
+        """Overwrite ``array`` with the root's, in place: through shared memory on one host
+        (the root writes each piece once, every other rank copies it out), else over TCP."""
         if self.size == 1 or array.size == 0:
             return
-        if self.rank == root:
+        if self.one_host_shm:
+            sizes = [array.nbytes if r == root else 0 for r in range(self.size)]
+            self.shm.gather_streams(array, sizes, {} if self.rank == root else {root: array},
+                                    what)
+        elif self.rank == root:
             peers = [p for p in range(self.size) if p != root]
             self.mesh.exchange([(p, _u8(array)) for p in peers], [], what=what)
         else:
@@ -158,18 +175,27 @@ class Transport:
         np.copyto(dst, full[bounds[me]:bounds[me + 1]])
 
     def alltoall(self, array: np.ndarray, splits: Sequence[int], recv_splits: Sequence[int],
-                 out: np.ndarray, what: str) -> None:
-        """Send ``splits[i]`` rows to rank i; receive ``recv_splits[i]`` rows from it."""
+                 out: np.ndarray, what: str,
+                 matrix: Sequence[Sequence[int]] | None = None) -> None:
+        """Send ``splits[i]`` rows to rank i; receive ``recv_splits[i]`` rows from it.
+        ``matrix[p][q]``, the rows rank p sends rank q (every rank's splits), lets ranks of
+        one host move them through shared memory; without it they go over TCP."""
         send_off = np.cumsum([0, *splits])
         recv_off = np.cumsum([0, *recv_splits])
         everyone = range(self.size)
         send = [array[send_off[p]:send_off[p + 1]] for p in everyone]
         recv = [out[recv_off[p]:recv_off[p + 1]] for p in everyone]
         np.copyto(recv[self.rank], send[self.rank])
+        if self.size == 1:
+            return
+        if matrix is not None and self.one_host_shm:
+            row = int(np.prod(array.shape[1:], dtype=np.int64)) * array.itemsize
+            self.shm.alltoall_streams(send, recv, [[int(c) * row for c in r] for r in matrix],
+                                      what)
+            return
         peers = [p for p in everyone if p != self.rank]
-        if peers:
-            self.mesh.exchange([(p, _u8(send[p])) for p in peers],
-                               [(p, _u8(recv[p])) for p in peers], what=what)
+        self.mesh.exchange([(p, _u8(send[p])) for p in peers],
+                           [(p, _u8(recv[p])) for p in peers], what=what)
 
     def abort(self) -> None:
         """Tell same-host peers we are gone, so their waits fail at once, and end this

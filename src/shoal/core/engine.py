@@ -562,7 +562,7 @@ class Engine(SmallPath):
             recv = [int(extra[r][self.rank]) for r in range(self.size)]
             out = np.empty((sum(recv), *req.trailing), req.array.dtype)
             comm.alltoall(req.array.reshape(sum(req.extra), *req.trailing), req.extra, recv, out,
-                          what)
+                          what, [extra[r] for r in range(self.size)])
             result = (out, np.asarray(recv, np.int64))
         req.future.set_result(result)
         if self.timeline is not None:

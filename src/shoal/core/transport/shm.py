@@ -30,6 +30,7 @@ import numpy as np
 
 from ..errors import PeerLostError, ShoalError
 from ..liveness import Liveness
+from .shm_streams import ShmStreams
 
 __all__ = ["ShmGroup", "segment_dir", "segment_path"]
 
@@ -97,7 +98,7 @@ def segment_path(job_id: str, node: int, local_rank: int) -> str:
     return os.path.join(segment_dir(), f"shoal-{job_id}-n{node}-l{local_rank}")
 
 
-class ShmGroup:
+class ShmGroup(ShmStreams):
     """The ranks of one host, synchronised and reducing through shared memory.
 
     ``ranks`` are the global ranks of the group in local-rank order; ``me`` is this process's
@@ -185,6 +186,16 @@ class ShmGroup:
                     pending = [p for p in pending if hdr[p][slot] < seq]
                     if pending:
                         self._check_peers(pending, what, now - start)
+
+    def _arrive(self, seq: int, what: str) -> None:
+        """Publish round ``seq`` (this rank's slot is written) and wait for every peer's."""
+        self._hdr[self.me][_ARRIVE] = seq
+        self._wait(_ARRIVE, seq, what)
+
+    def _settle(self, seq: int, what: str) -> None:
+        """Publish that this rank's share of round ``seq`` is done; wait for every peer's."""
+        self._hdr[self.me][_REDUCED] = seq
+        self._wait(_REDUCED, seq, what)
 
     def _check_peers(self, pending: list[int], what: str, waited: float) -> None:
         if self._hdr[self.me][_ABORT]:
@@ -428,45 +439,6 @@ class ShmGroup:
         for p in range(self.n):
             plo, phi = self.part(m, p)
             dst[plo:phi] = views[p][plo:phi]
-
-    def reducescatter(self, src: np.ndarray, dst: np.ndarray, bounds: Sequence[int],
-                      reduce: Callable[..., None], what: str = "reducescatter") -> None:
-        """Reduce the flat ``src`` (equal size on every rank) and keep only this rank's block
-        ``src[bounds[me]:bounds[me + 1]]`` of the result, in ``dst``.
-
-        Each rank moves (n-1)/n of its data: in step k it writes, for every peer, the k-th
-        piece of *that peer's* block into a sub-slot of its own segment, and reduces the k-th
-        piece of its own block from the peers' sub-slots and its own source straight into
-        ``dst`` (no copy-in of its own part, no copy-out of the others'). Every rank works
-        on its own block in every step, so the reduction runs on all cores at once.
-        """
-        me, n = self.me, self.n
-        sizes = [bounds[p + 1] - bounds[p] for p in range(n)]
-        item = src.itemsize
-        step = max(1, self.chunk_bytes // ((n - 1) * item))  # one sub-slot per peer
-
-        def sub(reader: int, writer: int) -> int:  # writer's sub-slot for reader's data
-            return (reader - (reader > writer)) * step * item
-
-        for k in range(0, max(sizes), step):
-            self.seq += 1
-            seq = self.seq
-            slots = [slot[seq % 2] for slot in self._slots]
-            mine = slots[me]
-            for p in self._peers:  # what peer p needs from this rank
-                lo, hi = bounds[p] + min(k, sizes[p]), bounds[p] + min(k + step, sizes[p])
-                if hi > lo:
-                    off = sub(p, me)
-                    mine[off:off + (hi - lo) * item].view(src.dtype)[:] = src[lo:hi]
-            self._hdr[me][_ARRIVE] = seq
-            self._wait(_ARRIVE, seq, what)
-            lo, hi = min(k, sizes[me]), min(k + step, sizes[me])
-            if hi > lo:
-                peers = [slots[p][sub(me, p):sub(me, p) + (hi - lo) * item].view(src.dtype)
-                         for p in self._peers]
-                reduce(dst[lo:hi], peers, first=src[bounds[me] + lo:bounds[me] + hi])
-            self._hdr[me][_REDUCED] = seq
-            self._wait(_REDUCED, seq, what)
 
     def close(self) -> None:
         """Unmap the segments (they were unlinked at set-up)."""
