@@ -44,3 +44,46 @@ def _scatter(rank: int) -> str:
 @pytest.mark.parametrize(("n", "hosts"), [(2, None), (3, None), (4, ["a", "a", "b", "b"])])
 def test_reducescatter_matches_numpy(n: int, hosts) -> None:
     assert run_ranks(_scatter, n, hosts=hosts, timeout=90, shm_chunk_bytes=4096) == ["ok"] * n
+
+
+@pytest.mark.parametrize(("n", "hosts"), [(3, ["a", "b", "c"]), (4, ["a", "b", "a", "b"])])
+def test_reducescatter_across_hosts_matches_numpy(n: int, hosts) -> None:
+    """The TCP ring (one rank a host) and the hierarchical route with hosts interleaved
+    (node ranks not contiguous)."""
+    assert run_ranks(_scatter, n, hosts=hosts, timeout=90, shm_chunk_bytes=4096) == ["ok"] * n
+
+
+def _bytes_on_tcp(rank: int) -> tuple[int, int]:
+    import shoal
+    mesh = shoal.communicator().engine.comm.mesh
+    sent = [0]
+    exchange = mesh.exchange
+
+    def counting(sends, recvs, **kwargs):
+        sent[0] += sum(view.nbytes for _peer, view in sends)
+        return exchange(sends, recvs, **kwargs)
+
+    mesh.exchange = counting
+    x = np.arange(30000, dtype=np.float32) * (rank + 1)
+    shoal.reducescatter(x, op=shoal.Sum, name="warm")  # connections, negotiation
+    before = sent[0]
+    got = shoal.reducescatter(x, op=shoal.Sum, name="rs")
+    n = shoal.size()
+    block = 30000 // n
+    want = np.arange(30000, dtype=np.float32)[rank * block:(rank + 1) * block] * \
+        sum(range(1, n + 1))
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    scattered = sent[0] - before
+    shoal.allreduce(x, op=shoal.Sum, name="ar")
+    return scattered, sent[0] - before - scattered
+
+
+@pytest.mark.parametrize(("n", "hosts"), [(3, ["a", "b", "c"]), (4, ["a", "a", "b", "b"])])
+def test_reducescatter_moves_its_share(n: int, hosts) -> None:
+    """Bytes each rank sends over TCP: (n-1)/n of the input on the ring, (H-1)/H of its
+    1/L shard with H hosts of L ranks; the allreduce sends twice as much."""
+    nbytes = 30000 * 4
+    share = nbytes * (n - 1) / n if len(set(hosts)) == n else nbytes / 2 * 1 / 2
+    for scattered, reduced in run_ranks(_bytes_on_tcp, n, hosts=hosts, timeout=90):
+        assert scattered <= share * 1.05 + 4096, (scattered, share)
+        assert reduced >= 1.9 * scattered, (scattered, reduced)

@@ -194,15 +194,27 @@ class Collectives:
                        extra=extra_of(name), trailing=trailing)
 
     def allgather_async(self, array: np.ndarray, name: str | None = None, *,
-                        _wake: bool = True) -> Handle:
-        """Start concatenating every rank's array along dimension 0 (lengths may differ)."""
+                        out: np.ndarray | None = None, _wake: bool = True) -> Handle:
+        """Start concatenating every rank's array along dimension 0 (lengths may differ).
+        ``out`` (C-contiguous, the array's dtype and trailing shape, as many rows as all
+        ranks together) receives the result in place of a new array; this rank's rows may
+        already lie in it, where they belong."""
         req = self._rows_request(Kind.ALLGATHER, array, name, lambda n: int(array.shape[0]))
-        return self._chain(req, None, _wake, lambda flat: flat.view(array.dtype)
+        if out is not None:
+            if out.dtype != array.dtype or out.shape[1:] != array.shape[1:] or \
+                    not out.flags.c_contiguous:
+                raise ValueError(f"rank {self.engine.rank}: allgather output for "
+                                 f"{req.name!r} must be a C-contiguous {array.dtype} array of "
+                                 f"shape (*, {', '.join(map(str, array.shape[1:]))})")
+            req.out = _storage(out, req.dtype).reshape(out.shape)
+        return self._chain(req, out, _wake, None if out is not None else
+                           lambda flat: flat.view(array.dtype)
                            if array.dtype != flat.dtype else flat)
 
-    def allgather(self, array: np.ndarray, name: str | None = None) -> np.ndarray:
+    def allgather(self, array: np.ndarray, name: str | None = None, *,
+                  out: np.ndarray | None = None) -> np.ndarray:
         """Concatenate every rank's array along dimension 0 (lengths may differ per rank)."""
-        return self.allgather_async(array, name, _wake=False).wait()
+        return self.allgather_async(array, name, out=out, _wake=False).wait()
 
     def alltoall(self, array: np.ndarray, splits: Any = None,
                  name: str | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -257,8 +269,12 @@ class Collectives:
     def reducescatter_async(self, array: np.ndarray, op: ReduceOp = ReduceOp.AVERAGE,
                             name: str | None = None, *, bf16: bool = False,
                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                            splits: Any = None, out: np.ndarray | None = None,
                             _wake: bool = True) -> Handle:
-        """Start :meth:`reducescatter`; the handle resolves to this rank's block."""
+        """Start :meth:`reducescatter`; the handle resolves to this rank's block.
+        ``splits`` (rows per rank, the same on every rank) sets the blocks instead of
+        Horovod's even division; ``out`` (C-contiguous, this rank's block's shape) receives
+        the block in place of a new array."""
         engine = self.engine
         op = ReduceOp(op)
         name = self._auto_name("reducescatter", name)
@@ -272,18 +288,31 @@ class Collectives:
         dtype = check_array(array, f"reducescatter tensor {name!r}", engine.rank, op, bf16)
         rows, n = array.shape[0], engine.size
         row = int(np.prod(array.shape[1:], dtype=np.int64))
-        base, extra = divmod(rows, n)
-        starts = [r * base + min(r, extra) for r in range(n + 1)]
+        if splits is None:
+            base, extra = divmod(rows, n)
+            starts = [r * base + min(r, extra) for r in range(n + 1)]
+        else:
+            counts = [int(c) for c in splits]
+            if len(counts) != n or min(counts) < 0 or sum(counts) != rows:
+                raise ValueError(f"rank {engine.rank}: reducescatter splits {counts} for "
+                                 f"{name!r} must be {n} non-negative counts summing to {rows}")
+            starts = np.cumsum([0, *counts]).tolist()
         bounds = [s * row for s in starts]
         me = engine.rank
-        out = np.empty((starts[me + 1] - starts[me], *array.shape[1:]), array.dtype)
+        shape = (starts[me + 1] - starts[me], *array.shape[1:])
+        if out is None:
+            out = np.empty(shape, array.dtype)
+        elif out.shape != shape or out.dtype != array.dtype or not out.flags.c_contiguous:
+            raise ValueError(f"rank {engine.rank}: reducescatter output for {name!r} must "
+                             f"be a C-contiguous {array.dtype} array of shape {shape}")
         src = _storage(array, dtype)
         if prescale_factor != 1.0:
             src = src.copy()
             scale(src, prescale_factor, dtype)
         dst = _storage(out, dtype)
         desc = (f"reducescatter shape={_shape(array)} dtype={dtype} "
-                f"op={op.name.capitalize()}")
+                f"op={op.name.capitalize()}" + (f" splits={starts}" if splits is not None
+                                                 else ""))
         req = Request(Kind.REDUCESCATTER, name, src, dst, dtype, desc, op=op, extra=bounds)
         return self._chain(req, out, _wake, _postscale(dst, postscale_factor, dtype))
 

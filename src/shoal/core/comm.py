@@ -8,7 +8,6 @@ engine's job (:mod:`shoal.core.engine`), which uses :meth:`Transport.gather_all`
 
 from __future__ import annotations
 
-import functools
 import logging
 import struct
 from collections.abc import Sequence
@@ -16,9 +15,10 @@ from collections.abc import Sequence
 import numpy as np
 
 from . import algorithms
-from .compression import Codec, Compression
+from .algorithms import scatter
+from .compression import Codec
 from .config import Config
-from .ops import ReduceOp, reduce_into
+from .ops import ReduceOp
 from .topology import World
 from .transport.shm import ShmGroup
 from .transport.tcp import TcpMesh
@@ -159,20 +159,9 @@ class Transport:
     def reducescatter(self, src: np.ndarray, dst: np.ndarray, bounds: Sequence[int],
                       op: ReduceOp, dtype: str, what: str) -> None:
         """Reduce the flat ``src`` and keep ``[bounds[rank], bounds[rank + 1])`` of the result
-        in ``dst``: on one host through shared memory, moving (n-1)/n of the data; across
-        hosts an allreduce and a slice."""
-        me = self.rank
-        if self.size == 1:
-            np.copyto(dst, src[bounds[me]:bounds[me + 1]])
-            return
-        if self.shm is not None and self.world.cross_size == 1:
-            divide = self.size if op == ReduceOp.AVERAGE else 0
-            reduce = functools.partial(reduce_into, op=op, dtype=dtype, divide_by=divide)
-            self.shm.reducescatter(src, dst, bounds, reduce, what)
-            return
-        full = np.empty_like(src)
-        self.allreduce([src], [full], op, dtype, Compression.none, what)
-        np.copyto(dst, full[bounds[me]:bounds[me + 1]])
+        in ``dst``, every rank moving (n-1)/n of the data
+        (:mod:`shoal.core.algorithms.scatter`)."""
+        scatter.reducescatter(self, src, dst, bounds, op, dtype, what)
 
     def alltoall(self, array: np.ndarray, splits: Sequence[int], recv_splits: Sequence[int],
                  out: np.ndarray, what: str,

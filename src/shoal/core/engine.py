@@ -555,9 +555,17 @@ class Engine(SmallPath):
             result = req.out if req.result is None else req.result
         elif req.kind is Kind.ALLGATHER:
             rows = [int(extra[r]) for r in range(self.size)]
-            out = np.empty((sum(rows), *req.trailing), req.array.dtype)
+            misfit = req.out is not None and req.out.shape[0] != sum(rows)
+            out = req.out if req.out is not None and not misfit else \
+                np.empty((sum(rows), *req.trailing), req.array.dtype)
             comm.allgather(req.array.reshape(rows[self.rank], *req.trailing), rows, out, what)
             result = out
+            if misfit:  # found once every rank's rows were known: the data moved anyway (the
+                # others need this rank's rows), but only into a buffer of its own
+                req.future.set_exception(ValueError(
+                    f"rank {self.rank}: allgather output for {req.name!r} has "
+                    f"{req.out.shape[0]} rows; the ranks sent {sum(rows)} ({rows})"))
+                return
         else:  # ALLTOALL
             recv = [int(extra[r][self.rank]) for r in range(self.size)]
             out = np.empty((sum(recv), *req.trailing), req.array.dtype)

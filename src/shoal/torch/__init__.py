@@ -84,6 +84,7 @@ from .ops import (
     synchronize,
 )
 from .optimizer import DistributedOptimizer
+from .sharded import ShardedOptimizer
 from .state import (
     allgather_object,
     broadcast_object,
@@ -121,6 +122,7 @@ __all__ = [
     "ProcessSet",
     "Product",
     "ReduceOp",
+    "ShardedOptimizer",
     "Sum",
     "SyncBatchNorm",
     "add_process_set",

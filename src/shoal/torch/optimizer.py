@@ -31,10 +31,46 @@ from shoal.core.process_sets import communicator_for
 from .buckets import Buckets, auto_bucket_bytes
 from .compression import Compression
 
-__all__ = ["DistributedOptimizer"]
+__all__ = ["DistributedOptimizer", "Wrapper", "adopt"]
 
 
-class DistributedOptimizer(torch.optim.Optimizer):
+def adopt(wrapper: torch.optim.Optimizer, optimizer: torch.optim.Optimizer) -> None:
+    """Set up a wrapper that shares ``optimizer``'s groups instead of calling
+    ``Optimizer.__init__`` (which would copy them): its defaults, and the hook registries the
+    torch utilities look for."""
+    wrapper.defaults = optimizer.defaults
+    for registry in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
+                     "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
+                     "_optimizer_load_state_dict_pre_hooks",
+                     "_optimizer_load_state_dict_post_hooks"):
+        setattr(wrapper, registry, collections.OrderedDict())
+
+
+class Wrapper(torch.optim.Optimizer):
+    """An optimizer that wraps another: ``param_groups`` are ``_groups_of``'s, ``state`` is
+    ``_state_of``'s (shared, not copied: schedulers and user code edit either object)."""
+
+    _groups_of: torch.optim.Optimizer
+    _state_of: torch.optim.Optimizer
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self._groups_of.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self._groups_of.param_groups = value
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self._state_of.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self._state_of.state = value
+
+
+class DistributedOptimizer(Wrapper):
     """Wrap ``optimizer`` so that ``step()`` uses gradients averaged over all ranks.
 
     It *is* a ``torch.optim.Optimizer`` (learning-rate schedulers accept it) and shares the
@@ -45,12 +81,36 @@ class DistributedOptimizer(torch.optim.Optimizer):
     round trips and leave backward's cores alone.
     """
 
+    def __new__(cls, optimizer: torch.optim.Optimizer,
+                named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
+                compression: Any = Compression.none, backward_passes_per_step: int = 1,
+                op: ReduceOp = ReduceOp.AVERAGE, gradient_predivide_factor: float = 1.0,
+                num_groups: int = 0, groups: Any = None, sparse_as_dense: bool = False,
+                process_set: Any = None, bucket_bytes: int | None = None,
+                sharded: bool = False) -> Any:
+        """``sharded=True``: a :class:`~shoal.torch.sharded.ShardedOptimizer` (ZeRO stages
+        1 and 2: each rank keeps and steps 1/N of the optimizer state)."""
+        if not sharded:
+            return super().__new__(cls)
+        unsupported = [what for what, bad in (
+            ("compression", compression is not Compression.none),
+            ("backward_passes_per_step", backward_passes_per_step != 1),
+            ("gradient_predivide_factor", gradient_predivide_factor != 1.0),
+            ("sparse_as_dense", sparse_as_dense)) if bad]
+        if unsupported:
+            raise ValueError(f"DistributedOptimizer(sharded=True) does not take "
+                             f"{', '.join(unsupported)}; leave them at their defaults")
+        from .sharded import ShardedOptimizer
+        return ShardedOptimizer(optimizer, named_parameters, op=op, process_set=process_set,
+                                bucket_bytes=bucket_bytes)
+
     def __init__(self, optimizer: torch.optim.Optimizer,
                  named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
                  compression: Any = Compression.none, backward_passes_per_step: int = 1,
                  op: ReduceOp = ReduceOp.AVERAGE, gradient_predivide_factor: float = 1.0,
                  num_groups: int = 0, groups: Any = None, sparse_as_dense: bool = False,
-                 process_set: Any = None, bucket_bytes: int | None = None) -> None:
+                 process_set: Any = None, bucket_bytes: int | None = None,
+                 sharded: bool = False) -> None:
         if op == ReduceOp.ADASUM:
             raise NotImplementedError("op=Adasum is not supported by shoal; use Average or Sum")
         if backward_passes_per_step < 1:
@@ -60,13 +120,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # share, do not copy: schedulers and user code edit param_groups through either object;
         # Optimizer.__init__ is not called (it would copy the groups), so set up its hook
         # registries here for the torch utilities that use them
-        self._inner = optimizer
-        self.defaults = optimizer.defaults
-        for registry in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
-                         "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
-                         "_optimizer_load_state_dict_pre_hooks",
-                         "_optimizer_load_state_dict_post_hooks"):
-            setattr(self, registry, collections.OrderedDict())
+        self._inner = self._groups_of = self._state_of = optimizer
+        adopt(self, optimizer)
         self._passes = backward_passes_per_step
         # Horovod's groups/num_groups only decide which gradients are fused together; shoal
         # fuses by bucket (bucket_bytes), so they are accepted and need no action
@@ -98,23 +153,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                     op, gradient_predivide_factor, process_set, sparse_as_dense)
         for p in trained:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
-
-    # the wrapped optimizer's state is ours
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
-        return self._inner.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: list[dict[str, Any]]) -> None:
-        self._inner.param_groups = value
-
-    @property
-    def state(self) -> Any:  # type: ignore[override]
-        return self._inner.state
-
-    @state.setter
-    def state(self, value: Any) -> None:
-        self._inner.state = value
 
     def __repr__(self) -> str:
         return f"DistributedOptimizer({self._inner!r})"

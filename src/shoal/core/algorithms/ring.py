@@ -13,13 +13,56 @@ import numpy as np
 
 from ..transport.tcp import TcpMesh
 
-__all__ = ["ring_allreduce"]
+__all__ = ["ring_allreduce", "ring_reducescatter"]
 
 Reduce = Callable[[np.ndarray, list[np.ndarray]], None]
 
 
 def _bytes(a: np.ndarray) -> memoryview:
     return memoryview(a.view(np.uint8))
+
+
+def _reduce_pass(mesh: TcpMesh, right: int, left: int, send: np.ndarray, dst: np.ndarray,
+                 tmp: np.ndarray, reduce: Reduce, block_bytes: int, what: str) -> None:
+    """One ring step: ``send`` goes right while the left neighbour's segment arrives and is
+    reduced into ``dst`` block by block as its bytes come in."""
+    itemsize = dst.dtype.itemsize
+    block = max(1, block_bytes // itemsize)
+    incoming = tmp[: dst.size]
+    reduced = 0
+
+    def on_recv(_i: int, done: int, total: int) -> None:
+        nonlocal reduced
+        ready = done // itemsize
+        if ready - reduced >= block or done == total:
+            reduce(dst[reduced:ready], [incoming[reduced:ready]])
+            reduced = ready
+
+    mesh.exchange([(right, _bytes(send))], [(left, _bytes(incoming))], on_recv=on_recv,
+                  what=what)
+
+
+def ring_reducescatter(mesh: TcpMesh, group: Sequence[int], buf: np.ndarray,
+                       bounds: Sequence[int], reduce: Reduce, block_bytes: int = 1 << 20,
+                       what: str = "reducescatter") -> None:
+    """Reduce-scatter the flat array ``buf`` in place among the global ranks ``group``: at
+    the end ``buf[bounds[i]:bounds[i + 1]]`` on ``group[i]`` holds the reduction of that
+    block over the group (other blocks hold partial sums). Each rank sends and receives
+    (n-1)/n of the buffer: the first half of a ring allreduce, with the blocks where the
+    caller wants them (they may differ in size)."""
+    n = len(group)
+    if n == 1:
+        return
+    me = group.index(mesh.rank)
+    right, left = group[(me + 1) % n], group[(me - 1) % n]
+
+    def seg(i: int) -> np.ndarray:
+        return buf[bounds[i]:bounds[i + 1]]
+
+    tmp = np.empty(max(bounds[i + 1] - bounds[i] for i in range(n)), buf.dtype)
+    for step in range(n - 1):  # the last step brings block ``me`` its final contribution
+        _reduce_pass(mesh, right, left, seg((me - step - 1) % n), seg((me - step - 2) % n),
+                     tmp, reduce, block_bytes, what)
 
 
 def ring_allreduce(mesh: TcpMesh, group: Sequence[int], buf: np.ndarray, reduce: Reduce,
@@ -38,24 +81,10 @@ def ring_allreduce(mesh: TcpMesh, group: Sequence[int], buf: np.ndarray, reduce:
     def seg(i: int) -> np.ndarray:
         return buf[bounds[i]:bounds[i + 1]]
 
-    itemsize = buf.dtype.itemsize
     tmp = np.empty(max(bounds[i + 1] - bounds[i] for i in range(n)), buf.dtype)
-    block = max(1, block_bytes // itemsize)
     for step in range(n - 1):
-        dst = seg((me - step - 1) % n)
-        incoming = tmp[: dst.size]
-        state = {"reduced": 0}
-
-        def on_recv(_i: int, done: int, total: int, dst: np.ndarray = dst,
-                    incoming: np.ndarray = incoming, state: dict = state) -> None:
-            ready = done // itemsize
-            if ready - state["reduced"] >= block or done == total:
-                lo = state["reduced"]
-                reduce(dst[lo:ready], [incoming[lo:ready]])
-                state["reduced"] = ready
-
-        mesh.exchange([(right, _bytes(seg((me - step) % n)))], [(left, _bytes(incoming))],
-                      on_recv=on_recv, what=what)
+        _reduce_pass(mesh, right, left, seg((me - step) % n), seg((me - step - 1) % n), tmp,
+                     reduce, block_bytes, what)
     if finish is not None:
         owned = seg((me + 1) % n)
         if owned.size:

@@ -1,0 +1,93 @@
+"""Reduce-scatter on every topology, each rank moving (n-1)/n of the data.
+
+- one host: through the shared segments (:meth:`ShmGroup.reducescatter`);
+- several hosts with shared memory on each (``hierarchical``): the host's ranks first
+  reduce-scatter through shared memory so that local rank l holds the host's sum of the
+  blocks of every host's local rank l (the input permuted once so that those blocks lie
+  together), then each local rank l reduce-scatters that across the hosts in its own TCP
+  ring, all local ranks at once; each host link carries (H-1)/H of the data, H hosts;
+- no shared memory (``ring``): one TCP ring over every rank.
+
+Half-precision sums cross hosts in float32, as the allreduce's do, and round once at the end.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ..ops import ReduceOp, finalize, reduce_into
+from .basic import _narrow, _widen
+from .ring import ring_reducescatter
+
+if TYPE_CHECKING:
+    from ..comm import Transport
+
+__all__ = ["reducescatter"]
+
+_HALF = ("float16", "bfloat16")
+
+
+def _over_ring(comm: Transport, group: Sequence[int], work: np.ndarray,
+               bounds: Sequence[int], op: ReduceOp, dtype: str, what: str) -> np.ndarray:
+    """Reduce-scatter ``work`` (a scratch buffer, reduced in place) around ``group``; returns
+    this rank's reduced block, in float32 for half precision."""
+    me = group.index(comm.rank)
+    if dtype in _HALF:
+        work = _widen(work, dtype)
+        wire = "float32"
+    else:
+        wire = dtype
+    ring_reducescatter(comm.mesh, group, work, bounds,
+                       functools.partial(reduce_into, op=op, dtype=wire),
+                       block_bytes=comm.cfg.tcp_chunk_bytes, what=what)
+    return work[bounds[me]:bounds[me + 1]]
+
+
+def _finish(block: np.ndarray, dst: np.ndarray, op: ReduceOp, dtype: str, count: int) -> None:
+    if dtype in _HALF and block.dtype == np.float32:
+        finalize(block, op, count, "float32")
+        _narrow(block, dst, dtype)
+    else:
+        finalize(block, op, count, dtype)
+        if block is not dst:
+            np.copyto(dst, block)
+
+
+def reducescatter(comm: Transport, src: np.ndarray, dst: np.ndarray, bounds: Sequence[int],
+                  op: ReduceOp, dtype: str, what: str) -> None:
+    """Reduce the flat ``src`` over every rank; keep ``[bounds[rank], bounds[rank + 1])`` of
+    the result in ``dst`` (see the module for the route taken)."""
+    me, n, world = comm.rank, comm.size, comm.world
+    if n == 1:
+        np.copyto(dst, src[bounds[me]:bounds[me + 1]])
+        return
+    if comm.one_host_shm:
+        divide = n if op == ReduceOp.AVERAGE else 0
+        comm.shm.reducescatter(src, dst, bounds,
+                               functools.partial(reduce_into, op=op, dtype=dtype,
+                                                 divide_by=divide), what)
+        return
+    if comm.shm is None or not world.homogeneous:
+        block = _over_ring(comm, range(n), src.copy(), bounds, op, dtype, what)
+        _finish(block, dst, op, dtype, n)
+        return
+    # hierarchical: blocks regrouped by local rank, then by host
+    hosts, local = world.cross_size, world.local_size
+    owner = [[world.node_ranks(h)[lr] for h in range(hosts)] for lr in range(local)]
+    order = [g for lr in range(local) for g in owner[lr]]
+    perm = np.concatenate([src[bounds[g]:bounds[g + 1]] for g in order]) if src.size else \
+        src.copy()
+    sizes = [bounds[g + 1] - bounds[g] for g in order]
+    starts = np.cumsum([0, *sizes]).tolist()
+    local_bounds = [starts[lr * hosts] for lr in range(local)] + [starts[-1]]
+    lr = world.local_rank
+    mine = np.empty(local_bounds[lr + 1] - local_bounds[lr], src.dtype)
+    comm.shm.reducescatter(perm, mine, local_bounds,
+                           functools.partial(reduce_into, op=op, dtype=dtype), what)
+    cross_bounds = [s - local_bounds[lr] for s in starts[lr * hosts:(lr + 1) * hosts + 1]]
+    block = _over_ring(comm, world.cross_peers, mine, cross_bounds, op, dtype, what)
+    _finish(block, dst, op, dtype, n)

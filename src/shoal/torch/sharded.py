@@ -1,0 +1,296 @@
+"""``ShardedOptimizer``: ZeRO stages 1 and 2 for any ``torch.optim`` optimizer.
+
+The plan is the core's (:mod:`shoal.core.sharding`): the trained parameters are grouped
+into buckets in the order backward produces their gradients, and every bucket is split among
+the ranks at parameter boundaries. This module only maps tensors and hooks onto it:
+
+- each bucket's parameters are moved into one flat buffer (``p.data`` becomes a view of
+  it), so the allgather after the step writes the new values straight into the parameters;
+- a post-accumulate-grad hook copies each gradient into the bucket's flat gradient buffer
+  and starts the bucket's reduce-scatter the moment it is complete, overlapping backward;
+  each rank receives the reduced gradients of its own parameters only;
+- ``step()`` waits for those, runs a private copy of the wrapped optimizer over this
+  rank's parameters only (so it holds their state and no other), and allgathers every
+  bucket's updated parameters: all ranks end the step with the same bits.
+
+Every rank must call ``step()``, ``state_dict()`` and ``load_state_dict()``: they are
+collectives. ``state_dict()`` returns the ordinary, unsharded state dict of the wrapped
+optimizer (loadable into it, or into a ``ShardedOptimizer`` on any number of ranks).
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import itertools
+import os
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from shoal.core import sharding
+from shoal.core.ops import ReduceOp
+from shoal.core.process_sets import communicator_for
+
+from .buckets import auto_bucket_bytes
+from .optimizer import Wrapper, adopt
+from .tensors import stage
+
+__all__ = ["ShardedOptimizer"]
+
+_ids = itertools.count()
+
+
+class _Shard:
+    """One bucket of the plan, in tensors."""
+
+    def __init__(self, bucket: sharding.Bucket, params: list[torch.nn.Parameter],
+                 rank: int) -> None:
+        self.plan = bucket
+        self.params = params
+        first = params[0]
+        self.flat = torch.empty(bucket.total, dtype=first.dtype, device=first.device)
+        self.grad = torch.zeros_like(self.flat)
+        lo, hi = bucket.bounds[rank], bucket.bounds[rank + 1]
+        self.lo, self.hi = lo, hi
+        self.reduced = torch.zeros(hi - lo, dtype=first.dtype, device=first.device)
+        self.views: list[torch.Tensor] = []
+        with torch.no_grad():
+            for p, offset in zip(params, bucket.offsets, strict=True):
+                view = self.flat[offset:offset + p.numel()].view(p.shape)
+                view.copy_(p)
+                p.data = view  # the parameter now lives in the bucket
+                self.views.append(self.grad[offset:offset + p.numel()].view(p.shape))
+        self.owned = [j for j in range(len(params)) if bucket.owner(j) == rank]
+        self.marks: set[int] = set()
+        self.handle: Any = None
+        self.staged: Any = None
+
+
+class ShardedOptimizer(Wrapper):
+    """Wrap ``optimizer`` so that each rank keeps and steps only its shard of the
+    parameters' optimizer state, with gradients averaged (``op``) over all ranks.
+
+    A ``torch.optim.Optimizer``: ``param_groups`` are the wrapped optimizer's (schedulers
+    edit them; each step copies their hyper-parameters to this rank's shard), ``state`` is
+    this rank's shard. Gradients of parameters another rank owns are ``None`` after
+    ``synchronize()``; for clipping use :meth:`clip_grad_norm_`, which sees every shard.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer,
+                 named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
+                 op: ReduceOp = ReduceOp.AVERAGE, process_set: Any = None,
+                 bucket_bytes: int | None = None) -> None:
+        op = ReduceOp(op)
+        if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
+            raise ValueError(f"ShardedOptimizer reduces gradients with Average or Sum, not "
+                             f"{op.name.capitalize()}")
+        self._full = self._groups_of = optimizer
+        adopt(self, optimizer)
+        self.op = op
+        self._comm = comm = communicator_for(process_set)
+        rank, n = comm.rank, comm.size
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        self._index = {p: i for i, p in enumerate(params)}
+        names = dict((p, name) for name, p in named_parameters or ())
+        self._names = {p: names.get(p, f"param.{i}") for i, p in enumerate(params)}
+        trained = [p for p in params if p.requires_grad]
+        if any(p.is_sparse for p in trained):
+            raise ValueError("ShardedOptimizer needs dense parameters")
+        if bucket_bytes is None:
+            bucket_bytes = comm.cfg.bucket_bytes or auto_bucket_bytes(
+                {p.device.type for p in trained}, comm.world.local_size,
+                torch.get_num_threads(), len(os.sched_getaffinity(0)),
+                comm.cfg.fusion_threshold)
+        plan = sharding.plan([p.numel() for p in trained],
+                             [(p.device, p.dtype) for p in trained],
+                             [p.element_size() for p in trained],
+                             list(reversed(range(len(trained)))), bucket_bytes, n,
+                             f"shard{next(_ids)}")
+        self._shards = [_Shard(b, [trained[i] for i in b.tensors], rank) for b in plan]
+        self._where = {p: (s, j) for s in self._shards for j, p in enumerate(s.params)}
+        mine = {s.params[j] for s in self._shards for j in s.owned}
+        mine |= {p for p in params if not p.requires_grad}  # frozen: stepped by nobody
+        # this rank's optimizer: the wrapped one's class and settings over its own shard
+        self._inner = self._state_of = copy.copy(optimizer)
+        self._inner.state = collections.defaultdict(dict)
+        self._inner.param_groups = [dict(g, params=[p for p in g["params"] if p in mine])
+                                    for g in optimizer.param_groups]
+        for p in mine:
+            if p in optimizer.state:
+                self._inner.state[p] = optimizer.state[p]
+        optimizer.state = collections.defaultdict(dict)  # the shards hold it now
+        self._synchronized = False
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in trained]
+
+    def __repr__(self) -> str:
+        return f"ShardedOptimizer({self._full!r}, shards={len(self._shards)})"
+
+    # -- gradients -------------------------------------------------------------------------
+    def _on_grad(self, p: torch.nn.Parameter) -> None:
+        shard, j = self._where[p]
+        if j in shard.marks:
+            raise RuntimeError(f"gradient of {self._names[p]} was computed again before "
+                               f"step(); call step() (or synchronize()) between backward "
+                               f"passes")
+        view = shard.views[j]
+        if p.grad.data_ptr() != view.data_ptr():
+            view.copy_(p.grad)
+        shard.marks.add(j)
+        if len(shard.marks) == len(shard.params):
+            self._reduce(shard)
+
+    def _reduce(self, shard: _Shard) -> None:
+        src = stage(shard.grad)
+        shard.staged = stage(shard.reduced)
+        shard.handle = self._comm.reducescatter_async(
+            src.array, op=self.op, name=f"{shard.plan.name}.grad", bf16=src.bf16,
+            splits=shard.plan.splits, out=shard.staged.array)
+
+    def synchronize(self) -> None:
+        """Wait for every bucket's reduce-scatter (a parameter backward did not reach is
+        reduced with the gradient it holds, or zeros); then this rank's parameters hold
+        their reduced gradients and the others none."""
+        for shard in self._shards:
+            if shard.handle is None:
+                for j, p in enumerate(shard.params):
+                    if j not in shard.marks:
+                        if p.grad is None:
+                            shard.views[j].zero_()
+                        elif p.grad.data_ptr() != shard.views[j].data_ptr():
+                            shard.views[j].copy_(p.grad)
+                self._reduce(shard)
+        error: BaseException | None = None
+        for shard in self._shards:
+            try:
+                shard.handle.wait()
+                shard.staged.finish()
+            except BaseException as exc:  # wait for the rest, then raise the first failure
+                error = error or exc
+            finally:
+                shard.handle = None
+                shard.marks.clear()
+        if error is not None:
+            raise error
+        for shard in self._shards:
+            for j, p in enumerate(shard.params):
+                if j in shard.owned:
+                    offset = shard.plan.offsets[j] - shard.lo
+                    p.grad = shard.reduced[offset:offset + p.numel()].view(p.shape)
+                else:
+                    p.grad = None
+        self._synchronized = True
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the reduced gradients of every rank's shard by their global norm (as
+        ``torch.nn.utils.clip_grad_norm_`` over the whole model); returns the norm."""
+        if not self._synchronized:
+            self.synchronize()
+        grads = [s.reduced for s in self._shards]
+        norm_type = float(norm_type)
+        if norm_type == float("inf"):
+            local = max((g.abs().max().item() for g in grads if g.numel()), default=0.0)
+            total = torch.tensor(self._comm.allreduce(
+                torch.tensor([local], dtype=torch.float64).numpy(), op=ReduceOp.MAX,
+                name="shard.clip.max")[0])
+        else:
+            local = sum((g.double().abs() ** norm_type).sum().item() for g in grads)
+            total = torch.tensor(float(self._comm.allreduce(
+                torch.tensor([local], dtype=torch.float64).numpy(), op=ReduceOp.SUM,
+                name="shard.clip.sum")[0]) ** (1.0 / norm_type))
+        scale = max_norm / (float(total) + 1e-6)
+        if scale < 1.0:
+            for g in grads:
+                g.mul_(scale)
+        return total
+
+    # -- the step --------------------------------------------------------------------------
+    def step(self, closure: Any = None) -> Any:
+        """Run ``closure`` (if given), wait for the reduced gradients, step this rank's
+        shard, and allgather the updated parameters into every rank's model."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if not self._synchronized:
+            self.synchronize()
+        self._synchronized = False
+        for inner, full in zip(self._inner.param_groups, self._full.param_groups,
+                               strict=True):
+            for key, value in full.items():
+                if key != "params":
+                    inner[key] = value
+        self._inner.step()
+        handles = []
+        for shard in self._shards:
+            staged = stage(shard.flat)
+            handles.append((staged, self._comm.allgather_async(
+                staged.array[shard.lo:shard.hi], name=f"{shard.plan.name}.param",
+                out=staged.array)))
+        for staged, handle in handles:
+            handle.wait()
+            staged.finish()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear every parameter's gradient (refused while reductions are in flight)."""
+        in_flight = sum(s.handle is not None for s in self._shards)
+        if in_flight:
+            raise RuntimeError(f"zero_grad() called with {in_flight} gradient buckets in "
+                               f"flight; call step() or synchronize() first")
+        for group in self._full.param_groups:
+            for p in group["params"]:
+                if set_to_none or p.grad is None:
+                    p.grad = None
+                else:
+                    p.grad.detach_().zero_()
+
+    # -- checkpoints -----------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The whole optimizer's ordinary state dict, the same on every rank (a collective:
+        each rank contributes its shard)."""
+        mine = {self._index[p]: {k: v.detach().cpu() if torch.is_tensor(v) else v
+                                 for k, v in state.items()}
+                for p, state in self._inner.state.items() if state}
+        merged: dict[int, Any] = {}
+        for part in self._comm.allgather_object(mine, name="shard.state_dict"):
+            merged.update(part)
+        groups = [{**{k: v for k, v in g.items() if k != "params"},
+                   "params": [self._index[p] for p in g["params"]]}
+                  for g in self._full.param_groups]
+        return {"state": dict(sorted(merged.items())), "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load an ordinary (consolidated) state dict: each rank keeps its shard's part."""
+        groups = state_dict["param_groups"]
+        if [len(g["params"]) for g in groups] != \
+                [len(g["params"]) for g in self._full.param_groups]:
+            raise ValueError("the state dict's parameter groups do not match this "
+                             "optimizer's (a different model or optimizer)")
+        for full, saved in zip(self._full.param_groups, groups, strict=True):
+            full.update({k: v for k, v in saved.items() if k != "params"})
+        inner_state: dict[int, Any] = {}
+        inner_groups = []
+        j = 0
+        for group, saved in zip(self._inner.param_groups, groups, strict=True):
+            ids = []
+            for p in group["params"]:
+                state = state_dict["state"].get(self._index[p])
+                if state is not None:
+                    inner_state[j] = state
+                ids.append(j)
+                j += 1
+            inner_groups.append({**{k: v for k, v in saved.items() if k != "params"},
+                                 "params": ids})
+        self._inner.load_state_dict({"state": inner_state, "param_groups": inner_groups})
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Not supported after wrapping: the shards are fixed at wrap time."""
+        raise NotImplementedError("add parameter groups before wrapping the optimizer")
+
+    def remove_hooks(self) -> None:
+        """Detach from the parameters' gradients."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
