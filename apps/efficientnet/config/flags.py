@@ -89,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
       help="EMA of the weights, used for evaluation (0: off; the recipe uses 0.9999)")
     g = p.add_argument_group("model")
     a = g.add_argument
+    a("--optimizer_sharding", action="store_true",
+      help="shard the optimizer state over the ranks (ZeRO stages 1 and 2): shoal's "
+           "DistributedOptimizer(sharded=True); with --backend ddp-*, torch's "
+           "ZeroRedundancyOptimizer")
     a("--batch_norm", choices=("default", "syncbn"), default="default")
     a("--drop_connect_rate", type=float, default=0.2)
     a("--bn_momentum", type=float, default=0.99,

@@ -122,14 +122,21 @@ def compression(name: str) -> Any:
 
 
 def wrap(model: nn.Module, optimizer: torch.optim.Optimizer, dist: Dist,
-         compression_name: str = "none") -> tuple[nn.Module, torch.optim.Optimizer]:
+         compression_name: str = "none",
+         sharded: bool = False) -> tuple[nn.Module, torch.optim.Optimizer]:
     """Make ``model`` / ``optimizer`` data-parallel, with every rank starting from rank 0's
-    weights and optimizer state."""
+    weights and optimizer state; ``sharded``: each rank keeps 1/N of the optimizer state."""
+    if sharded and compression_name != "none":
+        raise ValueError("--optimizer_sharding reduce-scatters gradients uncompressed; drop "
+                         "--compression")
     if not dist.backend.startswith("ddp-"):
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         hvd.broadcast_optimizer_state(optimizer, root_rank=0)
         if dist.size == 1:
             return model, optimizer
+        if sharded:
+            return model, hvd.DistributedOptimizer(optimizer, model.named_parameters(),
+                                                   sharded=True)
         return model, hvd.DistributedOptimizer(optimizer, model.named_parameters(),
                                                compression=compression(compression_name))
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -143,6 +150,11 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer, dist: Dist,
             "bf16": default_hooks.bf16_compress_hook}.get(compression_name)
     if hook is not None:
         ddp.register_comm_hook(None, hook)
+    if sharded:  # torch's own: DDP allreduces, ZeroRedundancyOptimizer shards the state
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        groups = [dict(g) for g in optimizer.param_groups]
+        optimizer = ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer),
+                                            **optimizer.defaults)
     return ddp, optimizer
 
 

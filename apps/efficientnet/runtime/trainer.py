@@ -100,7 +100,11 @@ def build_trainer(args: argparse.Namespace, dist: Dist, steps_per_epoch: int) ->
     optimizer = build_optimizer(args.optimizer, model, base_lr, args.weight_decay,
                                 momentum=args.momentum, rho=args.rmsprop_decay,
                                 eps=args.rmsprop_epsilon)
-    model, optimizer = wrap(model, optimizer, dist, args.compression)
+    if args.optimizer_sharding and args.use_amp and dist.device.type == "cuda":
+        raise ValueError("--optimizer_sharding with --use_amp on CUDA: the gradient scaler "
+                         "would check each rank's shard for overflow alone; not supported")
+    model, optimizer = wrap(model, optimizer, dist, args.compression,
+                            sharded=args.optimizer_sharding)
     schedule = LRSchedule(base_lr, steps_per_epoch, steps_per_epoch * args.max_epochs,
                           args.lr_warmup_epochs, args.lr_decay, args.lr_decay_rate,
                           args.lr_decay_epochs)
@@ -197,7 +201,13 @@ def evaluate(tr: Trainer, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]
 def trainer_state(tr: Trainer) -> dict[str, Any]:
     """A checkpoint of ``tr`` (every rank must call it: RNG states are gathered)."""
     rng = tr.dist.hvd.allgather_object(capture_rng(tr.np_rng), name=f"efficientnet.rng.{tr.step}")
-    return {"model": unwrap(tr.model).state_dict(), "optimizer": tr.optimizer.state_dict(),
+    opt = tr.optimizer
+    if hasattr(opt, "consolidate_state_dict"):  # torch's ZeroRedundancyOptimizer: on rank 0
+        opt.consolidate_state_dict(to=0)
+        optimizer = opt.state_dict() if tr.dist.rank == 0 else None
+    else:  # an ordinary one, or shoal's sharded one (consolidated on every rank)
+        optimizer = opt.state_dict()
+    return {"model": unwrap(tr.model).state_dict(), "optimizer": optimizer,
             "ema": tr.ema.state_dict() if tr.ema is not None else None,
             "scaler": tr.scaler.state_dict() if tr.scaler is not None else None,
             "epoch": tr.epoch, "step": tr.step, "rng": rng, "args": vars(tr.args)}

@@ -42,7 +42,8 @@ from .stats import stats
 __all__ = ["add_arguments", "format_table", "run"]
 
 VARIANTS = {"base": [], "amp": ["--use_amp"], "xla": ["--use_xla"],
-            "amp+xla": ["--use_amp", "--use_xla"], "syncbn": ["--batch_norm", "syncbn"]}
+            "amp+xla": ["--use_amp", "--use_xla"], "syncbn": ["--batch_norm", "syncbn"],
+            "sharded": ["--optimizer_sharding"]}
 BACKENDS = ("shoal", "ddp-shoal", "ddp-gloo", "horovod", "mwms", "independent")
 #: the backends of each framework (``mwms``: TensorFlow's MultiWorkerMirroredStrategy)
 FRAMEWORKS = {"torch": ("shoal", "ddp-shoal", "ddp-gloo", "horovod", "independent"),

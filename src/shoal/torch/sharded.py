@@ -21,10 +21,11 @@ optimizer (loadable into it, or into a ``ShardedOptimizer`` on any number of ran
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import itertools
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -181,6 +182,13 @@ class ShardedOptimizer(Wrapper):
                 else:
                     p.grad = None
         self._synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Horovod's ``synchronize(); ...; with skip_synchronize(): step()``: ``step()``
+        after ``synchronize()`` never reduces again, so this only keeps such code
+        working."""
+        yield
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the reduced gradients of every rank's shard by their global norm (as
