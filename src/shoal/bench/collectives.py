@@ -1,4 +1,5 @@
-"""``shoal bench collectives``: reducescatter and allgather against allreduce and gloo.
+"""``shoal bench collectives``: reducescatter and allgather against allreduce, gloo and
+Open MPI.
 
 In one job, alternating trial by trial on the same float32 data: shoal's allreduce, shoal's
 reducescatter (the same input; each rank keeps 1/n), shoal's allgather (each rank sends 1/n),
@@ -28,6 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--np", type=int, nargs="+", default=[2], dest="np_")
     p.add_argument("--sizes", default="1M,16M")
     p.add_argument("--trials", type=int, default=7)
+    p.add_argument("--peers", default="mpi",
+                   help="mpi: run the job under Open MPI's mpirun too (scripts/install-peers.sh) "
+                        "and time its Allgather / Reduce_scatter_block; none: gloo only")
     p.add_argument("--out", default="benchmarks/collectives.json")
     p.add_argument("--timeout", type=float, default=900)
 
@@ -42,6 +46,11 @@ def worker_main(argv: Sequence[str]) -> None:
     import shoal
     shoal.init()
     gloo = init_gloo()
+    try:
+        from mpi4py import MPI
+        mpi = MPI.COMM_WORLD if MPI.COMM_WORLD.Get_size() == shoal.size() else None
+    except ImportError:
+        mpi = None
     n, me = shoal.size(), shoal.rank()
     times: dict[int, dict[str, list[float]]] = {}
     for nbytes in [parse_size(s) for s in args.sizes.split(",")]:
@@ -65,6 +74,13 @@ def worker_main(argv: Sequence[str]) -> None:
                 methods["gloo reducescatter"] = partial(dist.reduce_scatter_tensor, tshard, tx)
             except (RuntimeError, NotImplementedError, ValueError):
                 pass
+        if mpi is not None:
+            from mpi4py import MPI
+            shard = np.empty_like(part)
+            methods["mpi allreduce"] = partial(mpi.Allreduce, x, out, op=MPI.SUM)
+            methods["mpi reducescatter"] = partial(mpi.Reduce_scatter_block, x, shard,
+                                                   op=MPI.SUM)
+            methods["mpi allgather"] = partial(mpi.Allgather, part, out)
         reps = max(1, min(50, (64 << 20) // max(nbytes, 1)))
         times[nbytes] = alternate(methods, args.trials, reps, shoal.barrier)
     everyone = shoal.allgather_object(times)
@@ -87,17 +103,20 @@ def _ratio(res: dict[str, Any], a: str, b: str, nbytes: int) -> float | None:
 
 def format_table(results: list[dict[str, Any]]) -> str:
     """One row per (np, size): times and the two ratios."""
-    lines = ["np | size | " + " | ".join(results[0]["methods"]) +
-             " | reducescatter / allreduce | allgather / gloo"]
+    ratios = [("reducescatter / allreduce", "shoal reducescatter", "shoal allreduce"),
+              ("allgather / gloo", "shoal allgather", "gloo allgather"),
+              ("reducescatter / mpi", "shoal reducescatter", "mpi reducescatter"),
+              ("allgather / mpi", "shoal allgather", "mpi allgather")]
+    lines = ["np | size | " + " | ".join(results[0]["methods"]) + " | " +
+             " | ".join(r[0] for r in ratios)]
     for res in results:
         for nbytes in res["sizes"]:
             cells = [f"{res['methods'][m][str(nbytes)]['min'] * 1e3:.2f} ms"
                      for m in res["methods"]]
-            rs = _ratio(res, "shoal reducescatter", "shoal allreduce", nbytes)
-            ag = _ratio(res, "shoal allgather", "gloo allgather", nbytes)
-            lines.append(f"{res['np']} | {human_bytes(nbytes)} | " + " | ".join(cells) +
-                         f" | {'-' if rs is None else f'{rs:.2f}x'} | "
-                         f"{'-' if ag is None else f'{ag:.2f}x'}")
+            for _title, a, b in ratios:
+                r = _ratio(res, a, b, nbytes)
+                cells.append("-" if r is None else f"{r:.2f}x")
+            lines.append(f"{res['np']} | {human_bytes(nbytes)} | " + " | ".join(cells))
     return "\n".join(lines)
 
 
@@ -116,13 +135,16 @@ def section(data: dict[str, Any]) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     """Run one job per world size through shoalrun and write the JSON results."""
-    from .common import run_job, write_results
+    from .common import run_job, run_mpi_job, write_results
+    from .peers import available_peers
+    use_mpi = "mpi" in args.peers.split(",") and bool(available_peers().get("mpi"))
     results = []
     for np_ in args.np_:
+        job = ["--sizes", args.sizes, "--trials", str(args.trials)]
         try:
-            results.append(run_job(np_, "shoal.bench.collectives",
-                                   ["--sizes", args.sizes, "--trials", str(args.trials)],
-                                   timeout=args.timeout))
+            results.append(run_mpi_job(np_, "shoal.bench.collectives", job, args.timeout)
+                           if use_mpi else
+                           run_job(np_, "shoal.bench.collectives", job, timeout=args.timeout))
         except (RuntimeError, TimeoutError) as exc:
             print(f"shoal bench collectives: {exc}", file=sys.stderr)
             return 1

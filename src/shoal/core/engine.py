@@ -21,7 +21,6 @@ with its name and those ranks; with ``SHOAL_STALL_SHUTDOWN_S`` it then fails.
 
 from __future__ import annotations
 
-import enum
 import json
 import logging
 import math
@@ -30,17 +29,16 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from .comm import Transport
-from .compression import Codec, Compression
 from .config import Config
 from .errors import CollectiveMismatchError, PeerLostError, ShoalError, ShoalTimeoutError
 from .neutral import neutral_allreduce, parse_allreduce_desc
 from .ops import ReduceOp
+from .requests import _PER_CALL, Kind, Request, mismatch_message
 from .small import SmallPath
 from .timeline import Timeline
 
@@ -50,54 +48,6 @@ log = logging.getLogger("shoal.engine")
 _HEAD = struct.Struct("!qqB")  # bit-vector bytes, cache size, flags
 # flags: waited past stall_warning_s; this rank has called join(); a payload rides along
 _STUCK, _JOINED, _FAST = 1, 2, 4
-
-
-class Kind(enum.Enum):
-    """What a request does."""
-
-    ALLREDUCE = "allreduce"
-    ALLGATHER = "allgather"
-    BROADCAST = "broadcast"
-    ALLTOALL = "alltoall"
-    REDUCESCATTER = "reducescatter"
-    JOIN = "join"
-
-
-_PER_CALL = (Kind.ALLGATHER, Kind.ALLTOALL)  # carry per-rank sizes every time
-
-
-@dataclass(eq=False)
-class Request:
-    """One named collective submitted by this rank."""
-
-    kind: Kind
-    name: str
-    array: np.ndarray            # flat storage view of the input
-    out: np.ndarray | None       # flat storage view of the output (allreduce, broadcast)
-    dtype: str                   # logical dtype
-    desc: str                    # what every rank must agree on
-    op: ReduceOp = ReduceOp.AVERAGE
-    codec: Codec = Compression.none
-    root: int = 0
-    extra: Any = None            # allgather: my rows; alltoall: my splits
-    trailing: tuple[int, ...] = ()
-    result: Any = None           # what the future resolves to (default: ``out``)
-    future: Future = field(default_factory=Future)
-    enqueued: float = field(default_factory=time.perf_counter)
-    warned: bool = False
-    missing: tuple[int, ...] = ()
-    fused: bool = False          # the caller fused it already (a bucket): no cycle wait
-
-
-def mismatch_message(what: str, descs: dict[int, str]) -> str:
-    """Explain which ranks disagree and how."""
-    groups: dict[str, list[int]] = {}
-    for rank, desc in sorted(descs.items()):
-        groups.setdefault(desc, []).append(rank)
-    lines = [f"ranks disagree on {what}:"]
-    lines += [f"  ranks {ranks}: {desc}" for desc, ranks in groups.items()]
-    lines.append("every rank must submit collectives with the same name, shape, dtype and op")
-    return "\n".join(lines)
 
 
 class Engine(SmallPath):
