@@ -32,50 +32,59 @@ def _allreduce_sum(t: torch.Tensor, name: str) -> torch.Tensor:
 
 
 class _SyncBN(torch.autograd.Function):
+    """Few passes over the activations: two reductions for the moments, torch's fused
+    batch-norm kernel (inference form, with the global moments) for the output, two
+    reductions and three fused element-wise passes for the input gradient, no saved
+    normalised copy. Measured on EfficientNet-B0 at 32 px, the layer's own arithmetic had
+    cost more than its communication."""
+
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None,
                 bias: torch.Tensor | None, eps: float, name: str) -> tuple[torch.Tensor, ...]:
         dims = [0, *range(2, x.dim())]
-        xf = x.float()
-        count = torch.tensor([x.numel() / x.shape[1]], dtype=torch.float64, device=x.device)
-        local = torch.cat([count, xf.sum(dims).double(), (xf * xf).sum(dims).double()])
-        total = _allreduce_sum(local, f"{name}.fwd")
         c = x.shape[1]
+        xf = x if x.dtype in (torch.float32, torch.float64) else x.float()
+        n_local = x.numel() / max(c, 1)
+        # (var_mean is one pass, but 12x slower than these two on CPU, measured)
+        local = torch.cat([torch.tensor([n_local], dtype=torch.float64, device=x.device),
+                           xf.sum(dims).double(), (xf * xf).sum(dims).double()])
+        total = _allreduce_sum(local, f"{name}.fwd")
         count, s, sq = total[0], total[1:1 + c], total[1 + c:]
         mean = s / count
         var = (sq / count - mean * mean).clamp_min(0)
         invstd = torch.rsqrt(var + eps)
-        shape = [1, c] + [1] * (x.dim() - 2)
-        xhat = (xf - mean.float().view(shape)) * invstd.float().view(shape)
-        out = xhat
-        if weight is not None:
-            out = out * weight.float().view(shape) + bias.float().view(shape)
-        ctx.save_for_backward(xhat, invstd.float(), weight)
+        out = torch.nn.functional.batch_norm(
+            xf, mean.to(xf.dtype), var.to(xf.dtype), None if weight is None else
+            weight.to(xf.dtype), None if bias is None else bias.to(xf.dtype), False, 0.0, eps)
+        ctx.save_for_backward(xf, mean.to(xf.dtype), invstd.to(xf.dtype), weight)
         ctx.count = float(count)
         ctx.name = name
-        ctx.shape = shape
         unbiased = var * count / max(count - 1, 1)
         return out.to(x.dtype), mean, unbiased
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor, _gm: Any, _gv: Any) -> tuple[Any, ...]:
-        xhat, invstd, weight = ctx.saved_tensors
-        shape = ctx.shape
+        xf, mean, invstd, weight = ctx.saved_tensors
         dims = [0, *range(2, grad_out.dim())]
-        g = grad_out.float()
-        local = torch.cat([g.sum(dims), (g * xhat).sum(dims)]).double()
-        total = _allreduce_sum(local, f"{ctx.name}.bwd").float()
-        c = xhat.shape[1]
-        sum_g, sum_gx = total[:c], total[c:]
-        grad_weight = grad_bias = None
-        if weight is not None:
-            grad_weight = (g * xhat).sum(dims).to(weight.dtype)  # local: DDP averages it
-            grad_bias = g.sum(dims).to(weight.dtype)
-            scale = weight.float().view(shape) * invstd.view(shape)
-        else:
-            scale = invstd.view(shape)
+        shape = [1, xf.shape[1]] + [1] * (xf.dim() - 2)
+        g = grad_out.to(xf.dtype)
+        sum_g = g.sum(dims)
+        # sum(g * xhat) = invstd * (sum(g * x) - mean * sum(g)): no xhat tensor
+        sum_gxhat = invstd * ((g * xf).sum(dims) - mean * sum_g)
+        total = _allreduce_sum(torch.cat([sum_g, sum_gxhat]).double(), f"{ctx.name}.bwd")
+        c = xf.shape[1]
         n = ctx.count
-        grad_x = scale * (g - sum_g.view(shape) / n - xhat * (sum_gx.view(shape) / n))
+        a, b = (total[:c] / n).to(xf.dtype), (total[c:] / n).to(xf.dtype)
+        grad_weight = grad_bias = None
+        k1 = invstd if weight is None else weight.to(xf.dtype) * invstd
+        if weight is not None:
+            grad_weight = sum_gxhat.to(weight.dtype)  # local: DDP averages it
+            grad_bias = sum_g.to(weight.dtype)
+        # k1 * (g - a - xhat * b) with xhat = (x - mean) * invstd, as g*k1 + x*k2 + k3
+        k2 = -k1 * b * invstd
+        k3 = -k1 * a - k2 * mean
+        grad_x = g * k1.view(shape)
+        grad_x.addcmul_(xf, k2.view(shape)).add_(k3.view(shape))
         return grad_x.to(grad_out.dtype), grad_weight, grad_bias, None, None
 
 
