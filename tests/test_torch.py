@@ -207,6 +207,22 @@ def _syncbn(rank: int) -> None:
     torch.testing.assert_close(wsum, plain.weight.grad, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(sync.running_mean, plain.running_mean, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(sync.running_var, plain.running_var, rtol=1e-5, atol=1e-6)
+    # no affine parameters, 2-D and 3-D inputs
+    for shape in ((5, 4), (3, 4, 6)):
+        sync1, plain1 = hvd.SyncBatchNorm(4, affine=False), torch.nn.BatchNorm1d(4,
+                                                                                   affine=False)
+        xs1 = [torch.randn(*shape, generator=torch.Generator().manual_seed(7 + r)) * (r + 2)
+               for r in range(n)]
+        x1 = xs1[rank].clone().requires_grad_(True)
+        out1 = sync1(x1)
+        (out1 * out1).sum().backward()
+        full1 = torch.cat(xs1).requires_grad_(True)
+        ref1 = plain1(full1)
+        (ref1 * ref1).sum().backward()
+        k = shape[0]
+        torch.testing.assert_close(out1, ref1[rank * k:(rank + 1) * k], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(x1.grad, full1.grad[rank * k:(rank + 1) * k], rtol=1e-4,
+                                   atol=1e-4)
     converted = hvd.convert_sync_batchnorm(torch.nn.Sequential(torch.nn.BatchNorm2d(4)))
     assert isinstance(converted[0], hvd.SyncBatchNorm)
 
