@@ -1,7 +1,8 @@
 """``shoal bench cluster``: allreduce across emulated hosts joined by a shaped link.
 
-Two network namespaces act as two nodes, joined by a veth pair shaped with ``tc tbf`` (1
-Gbit/s by default), with 2 ranks in each. In one job, alternating trial by trial: shoal's
+Network namespaces act as nodes (``--nodes``, 2 by default, joined by a veth pair; more
+around an emulated switch), each link shaped with ``tc tbf`` (1 Gbit/s by default), with 2
+ranks in each. In one job, alternating trial by trial: shoal's
 ``hierarchical`` algorithm, shoal's flat ``ring`` over TCP, and torch's gloo ring. The physical
 limit is measured in the same run (one TCP stream across the link) and every method is shown
 as a ratio to the link-bound floor ``2 (M-1)/M x bytes / link bandwidth`` (M nodes): the bytes
@@ -33,6 +34,7 @@ LOCAL = 2  # ranks per emulated node
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of ``shoal bench cluster``."""
+    p.add_argument("--nodes", type=int, default=2, help="emulated hosts (2 ranks each)")
     p.add_argument("--sizes", default="4M,16M,64M")
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--rate", default="1gbit", help="link rate for tc tbf (e.g. 1gbit)")
@@ -132,11 +134,11 @@ def run(args: argparse.Namespace) -> int:
     """Build the namespaces, run the 4-rank job inside them, tear everything down."""
     from .common import free_port
     try:
-        cluster = EmulatedCluster(2, args.rate)
+        cluster = EmulatedCluster(args.nodes, args.rate)
     except ClusterUnavailableError as exc:
         print(f"shoal bench cluster: {exc}", file=sys.stderr)
         return 2
-    size = 2 * LOCAL
+    size = args.nodes * LOCAL
     out = os.path.abspath(args.out) + ".part"
     common = ["--size", str(size), "--port", str(free_port()), "--gloo-port",
               str(free_port()), "--addr", cluster.addresses[0], "--secret",

@@ -1,10 +1,11 @@
 """Emulated hosts on one machine: Linux network namespaces joined by shaped veth links.
 
-``EmulatedCluster(nodes=2, rate="1gbit")`` creates one namespace per node, a veth pair from
-each to a bridge-free star (node 0 is the hub for two nodes: a single veth pair), addresses in
-127.10.0.0/24 (kept inside the namespaces; ``route_localnet`` lets 127/8 addresses travel over
-a real link), and a ``tc tbf`` qdisc on every veth end (``netem`` is missing from this kernel,
-so latency cannot be added). Everything is torn down on exit. Root only.
+``EmulatedCluster(nodes=2, rate="1gbit")`` creates one namespace per node. Two nodes are joined
+by a single veth pair; more by a star: a hub namespace holding a bridge (the switch), one veth
+pair from each node to it. Addresses are in 127.10.0.0/24 (kept inside the namespaces;
+``route_localnet`` lets 127/8 addresses travel over a real link), and a ``tc tbf`` qdisc
+shapes every veth end, so each node's link carries ``rate`` each way (``netem`` is missing from
+this kernel, so latency cannot be added). Everything is torn down on exit. Root only.
 """
 
 from __future__ import annotations
@@ -27,11 +28,11 @@ def _run(*argv: str) -> None:
 
 
 class EmulatedCluster:
-    """Two nodes (namespaces) joined by one shaped veth pair."""
+    """``nodes`` namespaces, each behind a link shaped to ``rate`` each way."""
 
     def __init__(self, nodes: int = 2, rate: str = "1gbit", tag: str | None = None) -> None:
-        if nodes != 2:
-            raise ValueError("the emulated cluster has exactly 2 nodes (one veth pair)")
+        if nodes < 2:
+            raise ValueError("the emulated cluster needs at least 2 nodes")
         if os.geteuid() != 0:
             raise ClusterUnavailableError("building network namespaces needs root; run as root or "
                                      "skip the emulated-cluster benchmark")
@@ -40,16 +41,34 @@ class EmulatedCluster:
         self.namespaces = [f"shoal{tag}n{i}" for i in range(nodes)]
         self.devices = [f"sh{tag}v{i}"[:15] for i in range(nodes)]
         self.addresses = [f"127.10.0.{i + 1}" for i in range(nodes)]
+        self.hub = f"shoal{tag}hub" if nodes > 2 else None
         self._created: list[str] = []
+
+    def _shape(self, ns: str, dev: str) -> None:
+        _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
+             "rate", self.rate, "burst", "256kb", "latency", "100ms")
 
     def __enter__(self) -> EmulatedCluster:
         try:
-            for ns in self.namespaces:
+            for ns in self.namespaces + ([self.hub] if self.hub else []):
                 _run("ip", "netns", "add", ns)
                 self._created.append(ns)
-            a, b = self.devices
-            _run("ip", "link", "add", a, "netns", self.namespaces[0], "type", "veth",
-                 "peer", "name", b, "netns", self.namespaces[1])
+            if self.hub is None:  # two nodes: one veth pair between them
+                a, b = self.devices
+                _run("ip", "link", "add", a, "netns", self.namespaces[0], "type", "veth",
+                     "peer", "name", b, "netns", self.namespaces[1])
+            else:  # a star around a bridge in the hub namespace
+                hub = ("ip", "netns", "exec", self.hub)
+                _run(*hub, "ip", "link", "add", "br0", "type", "bridge")
+                _run(*hub, "ip", "link", "set", "br0", "up")
+                for i, (ns, dev) in enumerate(zip(self.namespaces, self.devices,
+                                                  strict=True)):
+                    port = f"{dev[:-len(str(i))]}p{i}"[:15]
+                    _run("ip", "link", "add", dev, "netns", ns, "type", "veth", "peer",
+                         "name", port, "netns", self.hub)
+                    _run(*hub, "ip", "link", "set", port, "master", "br0")
+                    _run(*hub, "ip", "link", "set", port, "up")
+                    self._shape(self.hub, port)  # the node's inbound direction
             for ns, dev, addr in zip(self.namespaces, self.devices, self.addresses,
                                      strict=True):
                 ex = ("ip", "netns", "exec", ns)
@@ -58,8 +77,7 @@ class EmulatedCluster:
                 _run(*ex, "sysctl", "-q", "-w", f"net.ipv4.conf.{dev}.route_localnet=1")
                 _run(*ex, "ip", "addr", "add", f"{addr}/24", "dev", dev)
                 _run(*ex, "ip", "link", "set", dev, "up")
-                _run(*ex, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", self.rate,
-                     "burst", "256kb", "latency", "100ms")
+                self._shape(ns, dev)
         except BaseException:
             self.__exit__(None, None, None)
             raise

@@ -106,7 +106,7 @@ def _exchange_section(data: dict[str, Any]) -> list[str]:
 
 def _cluster_section(data: dict[str, Any]) -> list[str]:
     res = data["results"][0]
-    out = ["## Emulated cluster: two network namespaces on a shaped link", "",
+    out = [f"## Emulated cluster: {res['nodes']} network namespaces on shaped links", "",
            f"Command: `{data['command']}`", "",
            f"{res['nodes']} nodes x {res['np'] // res['nodes']} ranks; link rate set "
            f"{data.get('rate')}, measured {res['link_Bps'] * 8 / 1e9:.2f} Gbit/s in the same "
@@ -260,7 +260,7 @@ def build(folder: str) -> str:
              "times are per-trial maxima over ranks, min (and median) over trials.", ""]
     first = None
     for name, section in (("allreduce", _allreduce_section), ("exchange", _exchange_section),
-                          ("cluster", _cluster_section)):
+                          ("cluster", _cluster_section), ("cluster-4nodes", _cluster_section)):
         data = load_results(folder, name)
         if data is None:
             continue

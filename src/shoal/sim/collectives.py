@@ -9,9 +9,11 @@ They mirror shoal's algorithms (``shoal.core.algorithms``):
   arrives; recursive doubling (``log2 n`` whole-buffer swaps) up to ``small_message`` bytes;
 * ``hierarchical``: per ``shm_chunk`` chunk, the shm reduce-scatter, then each local rank
   reduces its shard across the nodes (all local ranks at once, sharing the node's link, ring
-  or doubling by shard size), then the shm allgather; the phases run one after the other
-  (``pipelined=False``, shoal today) or overlapped chunk by chunk (``pipelined=True``, the
-  SMDDP design);
+  or doubling by shard size), then the shm allgather. ``pipelined=False``: the phases one after
+  the other (shoal until issue 19); ``"phases"`` (shoal now): the host's phases of chunks k+1
+  and k-1 run while chunk k crosses the nodes, the cross rings one at a time, each paying its
+  latency; ``True``: several chunks in flight across the nodes too, the ring latency paid once
+  per buffer (the SMDDP design);
 * ``nccl``: a Horovod-style flat ring over every GPU, pipelined as NCCL does it: the latency
   is the sum of hop latencies, not steps times the slowest hop.
 
@@ -102,7 +104,7 @@ def flat_ring_time(hw: Hardware, nbytes: float, nodes: int, local: int,
 
 
 def hierarchical_time(hw: Hardware, nbytes: float, nodes: int, local: int,
-                      nic_efficiency: float = 1.0, pipelined: bool = False) -> float:
+                      nic_efficiency: float = 1.0, pipelined: bool | str = False) -> float:
     """shoal's ``hierarchical`` (``shm`` on one node)."""
     bw = hw.nic.bandwidth * nic_efficiency
     if nodes <= 1:
@@ -119,6 +121,10 @@ def hierarchical_time(hw: Hardware, nbytes: float, nodes: int, local: int,
     intra = shm_time(hw, nbytes, local)
     if not pipelined:
         return _staging(hw, nbytes) + intra + chunks * one
+    if pipelined == "phases":  # the slower of the two streams sets the pace; the other's
+        # share of one chunk fills and drains the pipeline
+        cross = chunks * one
+        return _staging(hw, nbytes) + max(intra, cross) + min(intra, cross) / chunks
     # overlapped: phases of different chunks run at once; the cross ring's latency is paid
     # once per buffer (several chunks in flight), the slowest phase sets the pace
     latency = one - ring_time(shard, nodes, bw / local, 0.0) if shard > hw.small_message \
@@ -150,7 +156,7 @@ def nccl_ring_time(hw: Hardware, nbytes: float, nodes: int, local: int,
 
 
 def allreduce_time(algorithm: str, hw: Hardware, nbytes: float, nodes: int, local: int, *,
-                   nic_efficiency: float = 1.0, pipelined: bool = False) -> float:
+                   nic_efficiency: float = 1.0, pipelined: bool | str = False) -> float:
     """One fused allreduce of ``nbytes`` on ``nodes`` x ``local`` workers (no negotiation).
 
     ``hierarchical`` on one node is ``shm``, as shoal's selector picks.

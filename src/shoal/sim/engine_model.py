@@ -40,7 +40,7 @@ class Strategy:
     fusion_bytes: int            # SHOAL_FUSION_THRESHOLD / HOROVOD_FUSION_THRESHOLD
     periodic: bool = False       # rounds start every cycle (Horovod) vs sleep after a round
     caller_drives: bool = True   # after backward the waiting caller runs rounds at once
-    pipelined: bool = False      # hierarchical phases overlapped chunk by chunk
+    pipelined: bool | str = False  # hierarchical: False, "phases" or True (collectives.py)
     nic_efficiency: float = 1.0  # fraction of the node link's bandwidth achieved
     compute_slowdown: float = 0.0  # backward runs 1 + this slower while a device collective
                                    # runs (GPU hardware only; host CPU contention not modelled)
@@ -53,12 +53,17 @@ class Strategy:
 
 STRATEGIES: dict[str, Strategy] = {
     "shoal": Strategy("shoal", "hierarchical", "decentralized", 1e-3, 64 << 20,
+                      pipelined="phases",
                       description="shoal today: shm on one node, hierarchical across nodes, "
-                                  "phases one after another per 1 MiB chunk"),
+                                  "the host's phases overlapping the cross-node ring chunk by "
+                                  "chunk (1 MiB chunks, one ring at a time)"),
+    "shoal-serial": Strategy("shoal-serial", "hierarchical", "decentralized", 1e-3, 64 << 20,
+                             description="shoal before issue 19: the phases one after another "
+                                         "per chunk"),
     "shoal-pipelined": Strategy("shoal-pipelined", "hierarchical", "decentralized", 1e-3,
                                 64 << 20, pipelined=True,
-                                description="hierarchical with phases overlapped across "
-                                            "chunks (the SMDDP design)"),
+                                description="hierarchical with several chunks in flight across "
+                                            "the nodes too (the SMDDP design)"),
     "shoal-ring": Strategy("shoal-ring", "ring", "decentralized", 1e-3, 64 << 20,
                            description="shoal with SHOAL_ALLREDUCE_ALGORITHM=ring"),
     # Horovod >= 0.21: cycle 1 ms, fusion 128 MB (CHANGELOG, PR #2468); NCCL ring on GPUs.

@@ -25,6 +25,7 @@ import os
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
@@ -36,7 +37,7 @@ __all__ = ["ShmGroup", "segment_dir", "segment_path"]
 
 _HEADER = 4096
 _LINE = 8  # int64 words per cache line
-_ARRIVE, _REDUCED, _PID, _ABORT = (i * _LINE for i in range(4))
+_ARRIVE, _REDUCED, _PID, _ABORT, _COPIED = (i * _LINE for i in range(5))
 _TOKEN = _ARRIVE + 1  # 2 words: what a negotiation round proposes, in brief (small_round)
 _LIVENESS_EVERY_S = 0.02
 
@@ -59,6 +60,12 @@ def _alive(pid: int) -> bool:
 
 def _copy(src: np.ndarray, dst: np.ndarray) -> None:
     np.copyto(dst, src)
+
+
+def _done() -> Future:
+    future: Future = Future()
+    future.set_result(None)
+    return future
 
 
 class _Layout:
@@ -157,6 +164,7 @@ class ShmGroup(ShmStreams):
                                       _HEADER + (s + 1) * self.chunk_bytes] for s in (0, 1)]
                        for m in self._maps]
         self._views: dict[tuple, list[np.ndarray]] = {}
+        self._crosser: ThreadPoolExecutor | None = None  # the pipelined allreduce's helper
         self._length_word = [(_HEADER + s * self.chunk_bytes) // 8 for s in (0, 1)]
 
     # -- synchronisation ---------------------------------------------------------------
@@ -361,6 +369,11 @@ class ShmGroup(ShmStreams):
                 self.chunk_bytes and phases is None:
             self._allreduce_small(srcs[0], dsts[0], wire, reduce, cross, finish, what)
             return
+        if cross is not None and phases is None and \
+                sum(s.size for s in srcs) * wire.itemsize > self.chunk_bytes:
+            self._allreduce_pipelined(srcs, dsts, wire, reduce, encode or _copy,
+                                      decode or _copy, cross, finish, what)
+            return
         layout = _Layout([s.size for s in srcs])
         encode = encode or _copy
         decode = decode or _copy
@@ -409,6 +422,64 @@ class ShmGroup(ShmStreams):
                 phases["reduce"] = phases.get("reduce", 0.0) + t2 - t1
                 phases["memcpy_out"] = phases.get("memcpy_out", 0.0) + t3 - t2
 
+    def _allreduce_pipelined(self, srcs: Sequence[np.ndarray], dsts: Sequence[np.ndarray],
+                             wire: np.dtype, reduce: Callable[..., None],
+                             encode: Callable[[np.ndarray, np.ndarray], None],
+                             decode: Callable[[np.ndarray, np.ndarray], None],
+                             cross: Callable[[np.ndarray], None],
+                             finish: Callable[[np.ndarray], None] | None, what: str) -> None:
+        """The hierarchical allreduce with its phases overlapped: while chunk k crosses
+        hosts (``cross`` on a helper thread, which alone uses the TCP links meanwhile), this
+        thread copies chunk k+1 in and reduces it on the host, and copies chunk k-1 out.
+
+        Chunk k's slot is rewritten by chunk k+2, so before copying k+2 in every rank waits
+        for its peers' ``COPIED`` flag of chunk k (copying out now trails copying in by a
+        chunk, so the arrival of k+1 no longer implies it)."""
+        layout = _Layout([s.size for s in srcs])
+        step = self.chunk_bytes // wire.itemsize
+        me = self.me
+        first = self.seq + 1
+        if self._crosser is None:
+            self._crosser = ThreadPoolExecutor(1, thread_name_prefix="shoal-cross")
+
+        def views(seq: int, m: int) -> list[np.ndarray]:
+            return [slot[seq % 2][: m * wire.itemsize].view(wire) for slot in self._slots]
+
+        def drain(seq: int, start: int, m: int, crossing: Future) -> None:
+            crossing.result()  # the helper's error, if it failed
+            parts = views(seq, m)
+            lo, hi = self.part(m, me)
+            if hi > lo and finish is not None:
+                finish(parts[me][lo:hi])
+            self._settle(seq, what)
+            for p in range(self.n):
+                plo, phi = self.part(m, p)
+                for i, alo, ahi, pos in layout.pieces(start + plo, start + phi):
+                    decode(parts[p][pos - start:pos - start + ahi - alo], dsts[i][alo:ahi])
+            self._hdr[me][_COPIED] = seq
+
+        # (a failure unwinds at once: the engine then aborts, which ends the helper's wait)
+        behind: tuple[int, int, int, Future] | None = None
+        for start in range(0, layout.total, step):
+            m = min(step, layout.total - start)
+            self.seq += 1
+            seq = self.seq
+            if seq - 2 >= first:  # peers done reading this slot's previous chunk
+                self._wait(_COPIED, seq - 2, what)
+            parts = views(seq, m)
+            for i, alo, ahi, pos in layout.pieces(start, start + m):
+                encode(srcs[i][alo:ahi], parts[me][pos - start:pos - start + ahi - alo])
+            self._arrive(seq, what)
+            lo, hi = self.part(m, me)
+            if hi > lo:
+                reduce(parts[me][lo:hi], [parts[p][lo:hi] for p in self._peers])
+            crossing = self._crosser.submit(cross, parts[me][lo:hi]) if hi > lo else _done()
+            if behind is not None:
+                drain(*behind)
+            behind = (seq, start, m, crossing)
+        if behind is not None:
+            drain(*behind)
+
     def _allreduce_small(self, src: np.ndarray, dst: np.ndarray, wire: np.dtype,
                          reduce: Callable[..., None], cross: Callable[[np.ndarray], None] | None,
                          finish: Callable[[np.ndarray], None] | None, what: str) -> None:
@@ -442,6 +513,8 @@ class ShmGroup(ShmStreams):
 
     def close(self) -> None:
         """Unmap the segments (they were unlinked at set-up)."""
+        if self._crosser is not None:
+            self._crosser.shutdown(wait=False)
         self._hdr = []
         self._slots = []
         self._lens = []
