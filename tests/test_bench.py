@@ -47,6 +47,18 @@ def test_tiny_cluster_run(tmp_path) -> None:
     assert res["link_Bps"] > 0 and "shoal-hierarchical" in res["methods"]
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
+def test_three_node_cluster_through_a_switch(tmp_path) -> None:
+    """More than two emulated nodes meet at a bridge; 2 MiB takes the pipelined path."""
+    out = tmp_path / "cluster.json"
+    proc = _shoal("bench", "cluster", "--nodes", "3", "--sizes", "2M", "--trials", "1",
+                  "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads(out.read_text())["results"][0]
+    assert res["nodes"] == 3 and res["np"] == 6 and res["link_Bps"] > 0
+    assert set(res["methods"]) >= {"shoal-hierarchical", "shoal-ring"}
+
+
 def test_report_from_fixture(tmp_path) -> None:
     folder = tmp_path / "benchmarks"
     shutil.copytree(FIXTURE, folder)
