@@ -217,3 +217,38 @@ def test_readme_lists_every_flag_and_variable() -> None:
     for o in options.OPTIONS:
         assert f"`{o.flags[0]}" in section, o.flags
         assert o.variable is None or f"`{o.variable}`" in section, o.variable
+
+
+def test_cpu_binding_shares(monkeypatch: pytest.MonkeyPatch) -> None:
+    from shoal.runner.bootstrap import bound, cpu_share
+    monkeypatch.setattr("os.sched_getaffinity", lambda _pid: {0, 1, 2, 3, 4})
+
+    def share(rank: int, size: int, mode: str | None = None) -> list[int] | None:
+        env = {"SHOAL_LOCAL_RANK": str(rank), "SHOAL_LOCAL_SIZE": str(size)}
+        if mode is not None:
+            env["SHOAL_CPU_BIND"] = mode
+        return cpu_share(env)
+
+    assert [share(r, 2) for r in range(2)] == [[0, 1], [2, 3]]  # equal shares, 1 core spare
+    assert [share(r, 5) for r in range(5)] == [[0], [1], [2], [3], [4]]
+    assert share(6, 7) is None                        # more workers than cores: unbound
+    assert share(6, 7, "core") == [1]                 # ... unless asked: round robin
+    assert share(0, 2, "none") is None and share(0, 2, "NONE") is None
+    assert cpu_share({}) is None                      # not started by shoalrun
+    assert bound({"SHOAL_LOCAL_RANK": "0", "SHOAL_LOCAL_SIZE": "2"}) is not None
+    with pytest.raises(config.ConfigError, match="auto, core, none"):
+        config.load({"SHOAL_CPU_BIND": "socket"})
+
+
+def test_workers_run_bound(tmp_path: Path) -> None:
+    script = tmp_path / "aff.py"
+    script.write_text("import os\nprint('cores', sorted(os.sched_getaffinity(0)))\n")
+    available = sorted(__import__("os").sched_getaffinity(0))
+    proc = subprocess.run([sys.executable, "-m", "shoal.runner", "-np", "2", sys.executable,
+                           str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    seen = sorted(line.split("cores ", 1)[1] for line in proc.stdout.splitlines()
+                  if "cores " in line)
+    half = len(available) // 2
+    if half:
+        assert seen == sorted([str(available[:half]), str(available[half:2 * half])]), seen

@@ -36,6 +36,13 @@ def _parse_bool(text: str) -> bool:
     raise ValueError(f"expected a boolean (1/0, true/false), got {text!r}")
 
 
+def _cpu_bind(text: str) -> str:
+    value = text.strip().lower()
+    if value not in ("auto", "core", "none"):
+        raise ValueError(f"{text!r} is not one of auto, core, none")
+    return value
+
+
 def _parse_bytes(text: str) -> int:
     """Parse ``64MiB``, ``4k``, ``1048576``: binary units, case-insensitive."""
     units = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20,
@@ -99,6 +106,9 @@ KNOBS: dict[str, Knob] = _knobs(
          "(DistributedOptimizer): one reduction per bucket, submitted when it is full; 0: "
          "2 MiB, or one fusion buffer when CPU workers already use every core"),
     Knob("cycle_time_ms", float, 1.0, "how long the engine waits for more tensors to fuse"),
+    Knob("cpu_bind", _cpu_bind, "auto", "shoalrun binds each worker to its share of the "
+         "cores: auto (when they do not outnumber the cores), core (round robin even then) "
+         "or none"),
     Knob("stall_warning_s", float, 60.0, "warn when a tensor waits this long for other ranks; "
          "ranks that all wait this long on collectives that cannot match get "
          "CollectiveMismatchError"),

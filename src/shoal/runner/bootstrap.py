@@ -67,6 +67,35 @@ def _marker(env: dict[str, str]) -> str | None:
         return None
 
 
+def cpu_share(env: dict[str, str]) -> list[int] | None:
+    """The cores a worker is bound to (``SHOAL_CPU_BIND``): ``auto`` (the default) gives local
+    rank r of L the r-th of L equal shares of the cores this process may use, so workers
+    never trade cores with each other (on 2 cores, 2 workers bound so waited 5-15% longer
+    for SyncBatchNorm's per-layer statistics than unbound ones, which the scheduler moved
+    about: 45%); nothing when they outnumber the cores. ``core``: one core each even then,
+    round robin. ``none``: leave placement to the kernel."""
+    mode = env.get("SHOAL_CPU_BIND", "auto").strip().lower()
+    if mode not in ("auto", "core") or not hasattr(os, "sched_setaffinity"):
+        return None
+    try:
+        local_rank, local_size = int(env["SHOAL_LOCAL_RANK"]), int(env["SHOAL_LOCAL_SIZE"])
+    except (KeyError, ValueError):
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    share = len(cores) // max(1, local_size)
+    if share >= 1:
+        return cores[local_rank * share:(local_rank + 1) * share]
+    return [cores[local_rank % len(cores)]] if mode == "core" else None
+
+
+def bound(env: dict[str, str]) -> Callable[[], None] | None:
+    """A ``preexec_fn`` that applies :func:`cpu_share` in the child, or None."""
+    cores = cpu_share(env)
+    if not cores:
+        return None
+    return lambda: os.sched_setaffinity(0, cores)
+
+
 def main() -> int:
     """Run the worker described on stdin; its exit code."""
     payload = json.loads(sys.stdin.buffer.readline() or b"{}")
@@ -85,7 +114,8 @@ def main() -> int:
               flush=True)
         return 126
     try:
-        child = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL)
+        child = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL,
+                                 preexec_fn=bound(env))
     except OSError as exc:
         print(f"{where}: cannot start {argv[0]!r}: {exc}", file=sys.stderr, flush=True)
         return 127 if isinstance(exc, FileNotFoundError) else 126

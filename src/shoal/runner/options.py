@@ -92,6 +92,9 @@ OPTIONS: tuple[Option, ...] = (
          parse=float, knob="fusion_threshold", to_knob=_mb_to_bytes, metavar="MB"),
     _opt("--cycle-time-ms", "cycle_time_ms", "how long the engine waits for tensors to fuse",
          parse=float, knob="cycle_time_ms", metavar="MS"),
+    _opt("--bind-to", "bind_to", "bind each worker to its share of the host's cores: auto "
+         "(default; not when workers outnumber cores), core, none", knob="cpu_bind",
+         metavar="MODE"),
     _opt("-x", "forward", "export NAME=VALUE, or NAME with shoalrun's value, to the workers "
          "(repeatable)", env="SHOAL_EXPORT", repeat=True, metavar="NAME[=VALUE]"),
     _opt("--emulate-hosts", "emulate_hosts", "run every host on this machine as a simulated "

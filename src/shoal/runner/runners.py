@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import ClassVar
 
+from .bootstrap import bound
 from .common import LaunchError
 
 __all__ = ["RUNNERS", "HostRunner", "LocalRunner", "NetnsRunner", "SshRunner", "make_runner"]
@@ -83,7 +84,7 @@ class LocalRunner(HostRunner):
         """Start ``argv`` here with exactly ``env``."""
         return subprocess.Popen(list(argv), env=dict(env), cwd=cwd, stdin=subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=bound(dict(env)))
 
 
 class _BootstrapRunner(HostRunner):
