@@ -202,8 +202,8 @@ def format_table(result: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Driver: every (arch, setting, variant, np) runs each backend in turn, ``--trials``
-    times."""
+    """Driver: for every (arch, setting, np), ``--trials`` rounds in which every variant
+    runs every backend, both in rotating order."""
     allowed = FRAMEWORKS[args.framework]
     backends = (args.backends or ",".join(allowed)).split(",")
     variants = args.variants.split(",")
@@ -228,10 +228,13 @@ def run(args: argparse.Namespace) -> int:
                               "missing": missing, "results": [], "overlap": [], "failed": []}
     for arch in args.archs.split(","):
         for setting in args.settings.split(","):
-            for variant in variants:
-                samples: dict[tuple[str, int], list[float]] = {}
-                for n in args.np:
-                    for trial in range(args.trials):
+            # variants and backends take turns trial by trial, so that a machine whose speed
+            # drifts (shared cores) shifts every configuration alike
+            samples: dict[tuple[str, str, int], list[float]] = {}
+            for n in args.np:
+                for trial in range(args.trials):
+                    v = trial % len(variants)
+                    for variant in variants[v:] + variants[:v]:
                         k = trial % len(backends)
                         for backend in backends[k:] + backends[:k]:
                             if backend == "mwms" and n == 1:
@@ -242,12 +245,15 @@ def run(args: argparse.Namespace) -> int:
                                 _failed(result, exc, arch=arch, setting=setting,
                                         variant=variant, backend=backend, np=n)
                                 continue
-                            samples.setdefault((backend, n), []).append(tput)
+                            samples.setdefault((variant, backend, n), []).append(tput)
                             print(f"{arch} {setting} {variant} np={n} {backend}: "
                                   f"{tput:.1f} images/s", flush=True)
-                for (backend, n), values in samples.items():
+            for variant in variants:
+                for (v, backend, n), values in samples.items():
+                    if v != variant:
+                        continue
                     st = stats(values)
-                    one = samples.get((backend, 1))
+                    one = samples.get((variant, backend, 1))
                     eff = st["median"] / (n * stats(one)["median"]) if one and n > 1 else None
                     result["results"].append({
                         "arch": arch, "setting": setting, "variant": variant,
