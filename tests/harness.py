@@ -43,6 +43,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port_pair() -> int:
+    """A port p such that p and p + 1 are both free on 127.0.0.1 now (torchrun binds p, and
+    shoal's store under torchrun p + 1). Still a guess: another process may take either
+    before the launcher binds it, so callers retry on "Address already in use"."""
+    for _ in range(100):
+        port = free_port()
+        if port >= 65535:
+            continue
+        with socket.socket() as a, socket.socket() as b:
+            try:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("found no two consecutive free ports on 127.0.0.1")
+
+
+PORT_CLASH = ("Address already in use", "EADDRINUSE", "errno 98")
+
+
+def port_clash(text: str) -> bool:
+    """Whether a launcher's output says it lost the race for its port."""
+    return any(marker.lower() in text.lower() for marker in PORT_CLASH)
+
+
 def _worker(fn: Callable[..., Any], rank: int, size: int, host: str, port: int, job: str,
             settings: dict[str, Any], args: tuple, queue: Any) -> None:
     import faulthandler

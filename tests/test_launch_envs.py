@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from harness import free_port_pair, port_clash
+
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = """
 import json, sys, numpy as np, shoal
@@ -83,7 +85,7 @@ SECRET = secrets.token_hex(16)
 
 
 def test_torchrun_environment() -> None:
-    port = _free_port() - 1  # shoal's store sits on MASTER_PORT + 1 under torchrun
+    port = free_port_pair()  # shoal's store sits on MASTER_PORT + 1 under torchrun
     rows = _run_ranks(lambda r: dict(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
                                      LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                                      MASTER_PORT=str(port), TORCHELASTIC_RUN_ID="t1",
@@ -138,8 +140,14 @@ def test_sagemaker_environment(tmp_path: Path) -> None:
 
 
 def _run_launcher(argv: list[str], env: dict[str, str]) -> list[dict[str, object]]:
-    proc = subprocess.run(argv, env={**_base_env(), **env}, capture_output=True, text=True,
-                          timeout=90, cwd=ROOT)
+    for _attempt in range(3):  # a port taken between our pick and the launcher's bind: again
+        proc = subprocess.run(argv, env={**_base_env(), **env}, capture_output=True,
+                              text=True, timeout=90, cwd=ROOT)
+        if proc.returncode == 0 or "--master-port" not in argv or \
+                not port_clash(proc.stdout + proc.stderr):
+            break
+        argv = list(argv)
+        argv[argv.index("--master-port") + 1] = str(free_port_pair())
     assert proc.returncode == 0, proc.stderr
     return _parse(proc.stdout)
 
@@ -148,7 +156,7 @@ def test_real_torchrun(tmp_path: Path) -> None:
     pytest.importorskip("torch")
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    port = _free_port() - 1
+    port = free_port_pair()  # torchrun binds it, shoal's store the next one
     rows = _run_launcher([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
                           "2", "--master-port", str(port), str(script)],
                          {"SHOAL_SECRET": SECRET, "OMP_NUM_THREADS": "1"})
