@@ -75,7 +75,6 @@ def worker_main(argv: Sequence[str]) -> None:
             except (RuntimeError, NotImplementedError, ValueError):
                 pass
         if mpi is not None:
-            from mpi4py import MPI
             shard = np.empty_like(part)
             methods["mpi allreduce"] = partial(mpi.Allreduce, x, out, op=MPI.SUM)
             methods["mpi reducescatter"] = partial(mpi.Reduce_scatter_block, x, shard,

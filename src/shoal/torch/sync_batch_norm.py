@@ -53,10 +53,11 @@ class _SyncBN(torch.autograd.Function):
         mean = s / count
         var = (sq / count - mean * mean).clamp_min(0)
         invstd = torch.rsqrt(var + eps)
+        mean_x = mean.to(xf.dtype)
         out = torch.nn.functional.batch_norm(
-            xf, mean.to(xf.dtype), var.to(xf.dtype), None if weight is None else
+            xf, mean_x, var.to(xf.dtype), None if weight is None else
             weight.to(xf.dtype), None if bias is None else bias.to(xf.dtype), False, 0.0, eps)
-        ctx.save_for_backward(xf, mean.to(xf.dtype), invstd.to(xf.dtype), weight)
+        ctx.save_for_backward(xf, mean_x, invstd.to(xf.dtype), weight)
         ctx.count = float(count)
         ctx.name = name
         unbiased = var * count / max(count - 1, 1)

@@ -157,7 +157,6 @@ class ShmGroup(ShmStreams):
         self._pids = [int(h[_PID]) for h in self._hdr]
         self._peers = [p for p in range(self.n) if p != me]
         # each slot's first word: the length of the blob in it
-        self._lens = [[slot[:8].view(np.int64) for slot in slots] for slots in self._slots]
         # the same memory as memoryviews: whole segments as int64 words, slots as bytes
         self._words = [memoryview(m).cast("q") for m in self._maps]
         self._bytes = [[memoryview(m)[_HEADER + s * self.chunk_bytes:
@@ -311,7 +310,7 @@ class ShmGroup(ShmStreams):
         """Every local rank's blob of the :meth:`small_round` just run (``blob`` is this
         rank's), finishing it the long way if a peer's did not fit one slot."""
         k = self.seq & 1
-        sizes = [int(lens[k][0]) for lens in self._lens]
+        sizes = [words[self._length_word[k]] for words in self._words]
         if max(sizes) <= self.chunk_bytes - 8:
             return [s[k][8:8 + n].tobytes() for s, n in zip(self._slots, sizes, strict=True)]
         self.seq -= 1
@@ -517,7 +516,6 @@ class ShmGroup(ShmStreams):
             self._crosser.shutdown(wait=False)
         self._hdr = []
         self._slots = []
-        self._lens = []
         for views in (self._words, *self._bytes):
             for view in views:
                 view.release()
