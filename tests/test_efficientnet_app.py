@@ -327,7 +327,7 @@ def _loss_falls(rank: int, data_dir: str) -> list[float]:
     from apps.efficientnet.runtime import build_trainer, init_distributed, train_step
     torch.set_num_threads(1)  # a forked child must not reuse the parent's OpenMP pool
     args = parse_args([*TINY, "--data_dir", data_dir, "--train_batch_size", "32",
-                       "--optimizer", "adamw", "--lr_init", "0.008", "--lr_warmup_epochs", "0",
+                       "--optimizer", "adamw", "--lr_init", "0.004", "--lr_warmup_epochs", "0",
                        "--augmenter_name", "none", "--label_smoothing", "0",
                        "--drop_connect_rate", "0"], environ={})
     tr = build_trainer(args, init_distributed("shoal"), steps_per_epoch=10)

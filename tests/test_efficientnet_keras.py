@@ -67,7 +67,7 @@ def _flags(data_dir: str, model_dir: str, epochs: int, *extra: str) -> list[str]
     return ["--framework", "tensorflow", "--mode", "train_and_eval", "--arch", "small-cnn",
             "--data_dir", data_dir, "--num_classes", "10", "--image_size", "32",
             "--max_epochs", str(epochs), "--steps_per_epoch", "8", "--train_batch_size", "16",
-            "--eval_batch_size", "50", "--optimizer", "sgd", "--lr_init", "0.5",
+            "--eval_batch_size", "50", "--optimizer", "sgd", "--lr_init", "0.25",
             "--lr_warmup_epochs", "1", "--weight_decay", "1e-4", "--mixup_alpha", "0.2",
             "--moving_average_decay", "0.5", "--batch_norm", "syncbn", "--bn_momentum", "0.6",
             "--save_checkpoint_freq", "1", "--log_steps", "0", "--model_dir", model_dir,

@@ -4,6 +4,7 @@ environment (the ``ssh`` runner, with the same bootstrap a real ssh would start)
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from test_launch_jobs import ALLREDUCE, ROOT, _env, results, shoalrun
+from test_launch_jobs import ALLREDUCE, ROOT, TAG, _env, results, shoalrun
 
 # -------------------------------------------------------------------- network namespaces
 
@@ -269,3 +270,91 @@ def test_real_ssh(sshd: tuple[dict[str, str], str, int, Path], tmp_path: Path) -
     assert proc.returncode == 5 and took < 20, proc.stderr
     assert "rank 0 (host localhost, pid" in proc.stderr.splitlines()[-1]
     assert _gone([int(p.read_text()) for p in pids.glob("*.pid")]) == []
+
+
+# ------------------------------------------------------- SageMaker across two hosts by ssh
+
+SM_WORKER = ALLREDUCE + """
+print("smenv", json.dumps({"rank": shoal.rank(), "argv": sys.argv[1:],
+                           "sm": {k: v for k, v in os.environ.items()
+                                  if k.startswith(("SM_", "SAGEMAKER_", "AWS_"))}}))
+"""
+
+
+def _sagemaker_tree(base: Path, current: str) -> None:
+    """``/opt/ml`` as SageMaker lays it out for a 2-host job (``input/config/*.json``, the
+    hyperparameters JSON-encoded as strings, the channels' directories)."""
+    conf = base / "input/config"
+    conf.mkdir(parents=True, exist_ok=True)
+    conf.joinpath("resourceconfig.json").write_text(json.dumps({
+        "current_host": current, "current_instance_type": "ml.p4d.24xlarge",
+        "current_group_name": "homogeneousCluster", "hosts": ["algo-2", "algo-1"],
+        "instance_groups": [{"instance_group_name": "homogeneousCluster",
+                             "instance_type": "ml.p4d.24xlarge",
+                             "hosts": ["algo-2", "algo-1"]}],
+        "network_interface_name": "lo"}))
+    conf.joinpath("hyperparameters.json").write_text(json.dumps({
+        "max_epochs": "3", "lr_init": "0.016", "use_amp": "true",
+        "sagemaker_program": '"train.py"', "sagemaker_region": '"us-west-2"',
+        "sagemaker_submit_directory": '"s3://bucket/job/source/sourcedir.tar.gz"',
+        "sagemaker_job_name": '"job-1"', "sagemaker_container_log_level": "20"}))
+    conf.joinpath("inputdataconfig.json").write_text(json.dumps({
+        name: {"TrainingInputMode": "File", "S3DistributionType": "FullyReplicated",
+               "RecordWrapperType": "None"} for name in ("train", "eval")}))
+    for d in ("input/data/train", "input/data/eval", "model", "output/data"):
+        (base / d).mkdir(parents=True, exist_ok=True)
+
+
+@pytest.mark.parametrize("toolkit", [False, True])
+def test_sagemaker_two_hosts(fake_ssh: tuple[dict[str, str], Path], tmp_path: Path,
+                             toolkit: bool) -> None:
+    """algo-1 (the master, this machine) starts 2 workers here and 2 on algo-2 through ssh
+    (a bare environment there): every worker sees SageMaker's whole environment, naming its
+    own host, and the script's arguments carry no reserved sagemaker_* hyperparameter. With
+    ``toolkit``, shoalrun itself runs under the training toolkit's SM_* variables (a FastFile
+    channel path among them), which reach algo-2 as they are."""
+    env, _ = fake_ssh
+    base = tmp_path / "opt/ml"
+    _sagemaker_tree(base, "algo-1")
+    extra = {"SAGEMAKER_BASE_DIR": str(base), "SM_NUM_GPUS": "2",
+             "AWS_REGION": "us-west-2", "TRAINING_JOB_NAME": "job-1"}
+    if toolkit:
+        extra.update(SM_CHANNEL_TRAIN="/fsx/imagenet/train", SM_CHANNELS='["eval","train"]',
+                     SM_LOG_LEVEL="20", SM_HPS=json.dumps({"max_epochs": 3, "lr_init": 0.016,
+                                                           "use_amp": True}))
+    proc, _ = shoalrun("--sagemaker", "--remote-python", sys.executable, sys.executable, "-c",
+                       SM_WORKER, **env, **extra)
+    assert proc.returncode == 0, proc.stderr
+    got = results(proc.stdout)
+    # algo-1's workers run here, under this machine's own name
+    assert [(d["cross"], d["local"]) for d in got] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [d["host"] for d in got][2:] == ["algo-2", "algo-2"]
+    assert all(d["sum"] == 10.0 for d in got)
+    seen = {}
+    for line in proc.stdout.splitlines():
+        text = TAG.match(line).group(3)
+        if text.startswith("smenv "):
+            item = json.loads(text[len("smenv "):])
+            seen[item["rank"]] = item
+    assert sorted(seen) == [0, 1, 2, 3]
+    train = "/fsx/imagenet/train" if toolkit else str(base / "input/data/train")
+    for rank, item in seen.items():
+        host, sm = ("algo-1", "algo-2")[rank // 2], item["sm"]
+        assert item["argv"] == ["--lr_init", "0.016", "--max_epochs", "3", "--use_amp",
+                                "True"], item["argv"]
+        assert sm["SM_CURRENT_HOST"] == host
+        assert json.loads(sm["SM_HOSTS"]) == ["algo-1", "algo-2"]
+        assert sm["SM_CHANNEL_TRAIN"] == train
+        assert sm["SM_CHANNEL_EVAL"] == str(base / "input/data/eval")
+        assert json.loads(sm["SM_CHANNELS"]) == ["eval", "train"]
+        assert sm["SM_MODEL_DIR"] == str(base / "model")
+        assert sm["SM_OUTPUT_DATA_DIR"] == str(base / "output/data")
+        assert json.loads(sm["SM_HPS"]) == {"max_epochs": 3, "lr_init": 0.016, "use_amp": True}
+        assert sm["SM_HP_LR_INIT"] == "0.016" and "SM_HP_SAGEMAKER_PROGRAM" not in sm
+        assert json.loads(sm["SM_FRAMEWORK_PARAMS"])["sagemaker_region"] == "us-west-2"
+        assert json.loads(sm["SM_RESOURCE_CONFIG"])["current_host"] == host
+        training_env = json.loads(sm["SM_TRAINING_ENV"])
+        assert training_env["current_host"] == host
+        assert training_env["is_master"] == (host == "algo-1")
+        assert sm["SM_NUM_GPUS"] == "2" and sm["SM_NETWORK_INTERFACE_NAME"] == "lo"
+        assert sm["SAGEMAKER_BASE_DIR"] == str(base) and sm["AWS_REGION"] == "us-west-2"

@@ -18,9 +18,24 @@ from collections.abc import Mapping, Sequence
 
 from apps.efficientnet.config.variants import SMALL_CNN, VARIANTS
 
-__all__ = ["MODES", "build_parser", "parse_args", "sagemaker_argv", "str2bool"]
+__all__ = ["LR_BATCH_BASE", "LR_RULE", "MODES", "build_parser", "parse_args", "peak_lr",
+           "sagemaker_argv", "str2bool"]
 
 MODES = ("train", "eval", "train_and_eval", "training_benchmark")
+
+#: The global batch ``--lr_init`` is given for. NVIDIA's EfficientNet recipe
+#: (DeepLearningExamples, TensorFlow2/Classification/ConvNets) scales its ``lr_init`` by
+#: ``scale_by_batch_size = 1/128`` times the global batch (``runtime/runner_utils.py``,
+#: ``get_learning_rate_params``; applied in ``utils/optimizer_factory.py``,
+#: ``build_learning_rate``: ``base_lr *= lr_multiplier * batch_size``), so its commands carry
+#: over unchanged: B0's ``--lr_init 0.008`` at 8 x 256 images peaks at 0.128.
+LR_BATCH_BASE = 128
+LR_RULE = f"peak lr = lr_init x global batch / {LR_BATCH_BASE} (NVIDIA's EfficientNet rule)"
+
+
+def peak_lr(lr_init: float, global_batch: int) -> float:
+    """The learning rate the warm-up reaches: :data:`LR_RULE`."""
+    return lr_init * global_batch / LR_BATCH_BASE
 
 
 def str2bool(text: str | bool) -> bool:
@@ -73,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
       help="steps left out of the training_benchmark statistics")
     a("--train_batch_size", type=int, default=32, help="per worker")
     a("--eval_batch_size", type=int, default=32, help="per worker")
-    a("--lr_init", type=float, default=0.008, help="for a global batch of 256; scaled linearly")
+    a("--lr_init", type=float, default=0.008,
+      help=f"for a global batch of {LR_BATCH_BASE}, scaled linearly: {LR_RULE}")
     a("--lr_decay", choices=("exponential", "cosine"), default="exponential")
     a("--lr_decay_rate", type=float, default=0.97)
     a("--lr_decay_epochs", type=float, default=2.4)

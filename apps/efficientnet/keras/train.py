@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from apps.efficientnet.config.flags import LR_BATCH_BASE, LR_RULE, peak_lr
 from apps.efficientnet.config.variants import SMALL_CNN, SMALL_CNN_RESOLUTION, get_variant
 from apps.efficientnet.dataloader.tfrecord import count_records
 from apps.efficientnet.keras.comm import Comm, make_comm
@@ -185,7 +186,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             count_records(f) for f in data_.read_split(args, "train")) // global_batch)
     logger = MetricLogger(Path(args.model_dir) / args.log_filename, enabled=rank == 0)
     logger.log("PARAMETER", {**vars(args), "world_size": size}, echo=False)
-    base_lr = args.lr_init * global_batch / 256
+    base_lr = peak_lr(args.lr_init, global_batch)
     schedule = WarmupDecay(base_lr, steps, steps * args.max_epochs,
                            int(args.lr_warmup_epochs * steps), args.lr_decay,
                            args.lr_decay_rate, args.lr_decay_epochs)
@@ -204,7 +205,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         logger.print(f"resumed from {args.resume_checkpoint}: epoch {start}")
     logger.print(f"efficientnet: {args.arch} {args.mode} on {size} rank(s) (keras, {comm.name}), "
                  f"image {image_size}, global batch {global_batch}, {steps} steps/epoch, "
-                 f"peak lr {base_lr:.4g}, amp {bool(args.use_amp)}, xla {bool(args.use_xla)}")
+                 f"amp {bool(args.use_amp)}, xla {bool(args.use_xla)}")
+    logger.print(f"learning rate: peak {base_lr:.4g} = --lr_init {args.lr_init:g} x global "
+                 f"batch {global_batch} / {LR_BATCH_BASE} ({LR_RULE})")
     train = data_.train_dataset(args, rank, size, image_size, steps, start,
                                 comm.dataset_batch(args.train_batch_size))
     evaluation = data_.eval_dataset(args, rank, size, image_size) \

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from apps.efficientnet.config.flags import LR_BATCH_BASE, LR_RULE
 from apps.efficientnet.dataloader import Preprocess, build_dataset, make_loader
 from apps.efficientnet.runtime.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
 from apps.efficientnet.runtime.distributed import (
@@ -129,7 +130,9 @@ def _run(args: argparse.Namespace, dist: Dist) -> dict[str, Any]:
     tr = build_trainer(args, dist, steps)
     logger.print(f"efficientnet: {args.arch} {args.mode} on {dist.size} rank(s) "
                  f"({args.backend}, {dist.device}), image {image_size(args)}, global batch "
-                 f"{global_batch}, {steps} steps/epoch, peak lr {tr.schedule.base_lr:.4g}")
+                 f"{global_batch}, {steps} steps/epoch")
+    logger.print(f"learning rate: peak {tr.schedule.base_lr:.4g} = --lr_init {args.lr_init:g} x "
+                 f"global batch {global_batch} / {LR_BATCH_BASE} ({LR_RULE})")
     if args.resume_checkpoint:
         restore_trainer(tr, load_checkpoint(args.resume_checkpoint) if dist.is_root else None)
         logger.print(f"resumed from {args.resume_checkpoint}: epoch {tr.epoch}, step {tr.step}")

@@ -1,8 +1,9 @@
 """One rank's training state and its single steps: build, train step, evaluate, checkpoint.
 
 :func:`build_trainer` makes the model (with ``hvd.SyncBatchNorm`` for ``--batch_norm
-syncbn``), the optimizer (learning rate ``lr_init * global_batch / 256``), the data-parallel
-wrapping of the chosen backend, the weight EMA and the AMP scaler. :func:`train_step` runs one
+syncbn``), the optimizer (peak learning rate ``lr_init * global_batch / 128``, NVIDIA's
+rule), the data-parallel wrapping of the chosen backend, the weight EMA and the AMP scaler.
+:func:`train_step` runs one
 step on a batch of ``uint8`` images; :func:`evaluate` one pass over an evaluation loader,
 averaged over the ranks. :func:`trainer_state` / :func:`restore_trainer` turn the whole state
 into a checkpoint and back.
@@ -21,6 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from apps.efficientnet.config.flags import peak_lr
 from apps.efficientnet.config.variants import SMALL_CNN, SMALL_CNN_RESOLUTION, get_variant
 from apps.efficientnet.model import SmallCNN, efficientnet
 from apps.efficientnet.runtime.checkpoint import capture_rng, restore_rng
@@ -96,7 +98,7 @@ def build_trainer(args: argparse.Namespace, dist: Dist, steps_per_epoch: int) ->
              efficientnet(args.arch, num_classes=args.num_classes,
                           drop_connect_rate=args.drop_connect_rate, **bn)).to(dist.device)
     global_batch = args.train_batch_size * dist.size
-    base_lr = args.lr_init * global_batch / 256
+    base_lr = peak_lr(args.lr_init, global_batch)
     optimizer = build_optimizer(args.optimizer, model, base_lr, args.weight_decay,
                                 momentum=args.momentum, rho=args.rmsprop_decay,
                                 eps=args.rmsprop_epsilon)

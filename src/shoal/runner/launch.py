@@ -18,7 +18,9 @@ rendezvous store then listens on this machine's address towards them, or on
 Environment of each worker: shoalrun's own environment (remote workers: their host's
 environment plus shoalrun's ``SHOAL_*`` settings, ``PATH``, ``PYTHONPATH`` and
 ``VIRTUAL_ENV``), then the ``-x`` variables (``-x NAME=VALUE`` sets, ``-x NAME`` copies
-shoalrun's value), then the knobs set by flags (``--timeline-filename`` ...), then:
+shoalrun's value; before them, under ``--sagemaker``, SageMaker's training environment for the
+worker's host, :func:`shoal.runner.sagemaker.worker_environment`), then the knobs set by
+flags (``--timeline-filename`` ...), then:
 
 =========================  ========================================================
 ``SHOAL_RANK``             global rank, ``0 .. SHOAL_SIZE-1``
@@ -112,6 +114,7 @@ class Job:
     emulate_hosts: bool = False
     forward: Mapping[str, str] = field(default_factory=dict)  # -x
     settings: Mapping[str, str] = field(default_factory=dict)  # knobs set by flags
+    host_env: Mapping[str, Mapping[str, str]] = field(default_factory=dict)  # SageMaker's
 
 
 def parse_forward(items: Sequence[str], parent_env: Mapping[str, str]) -> dict[str, str]:
@@ -138,6 +141,7 @@ def make_job_id(now: float | None = None, pid: int | None = None) -> str:
 def worker_env(spec: WorkerSpec, job: Job, base_env: Mapping[str, str]) -> dict[str, str]:
     """The complete environment of one worker (see the module docstring)."""
     env = {k: v for k, v in base_env.items() if k not in options.LAUNCHER_VARS}
+    env.update(job.host_env.get(spec.host, {}))
     env.update(job.forward)
     env.update(job.settings)
     for attr, names in _VARS.items():
@@ -176,10 +180,12 @@ def launch(specs: Sequence[WorkerSpec], command: Sequence[str], *,
            start_timeout_s: float = 120.0, kill_grace: float = 5.0, verbose: bool = False,
            settings: Mapping[str, str] | None = None, remote: HostRunner | None = None,
            network_interface: str | None = None, output_dir: str | Path | None = None,
-           environ: Mapping[str, str] | None = None) -> int:
+           environ: Mapping[str, str] | None = None,
+           host_env: Mapping[str, Mapping[str, str]] | None = None) -> int:
     """Run one job: start the store, the workers, wait; the job's exit code.
 
-    ``remote`` starts the workers of hosts that are not this machine (default: ssh).
+    ``remote`` starts the workers of hosts that are not this machine (default: ssh);
+    ``host_env`` adds variables to the workers of each host (by host name).
     Raises :class:`LaunchError` before starting anything when the job cannot run.
     """
     from ..core.auth import secret_bytes
@@ -207,7 +213,8 @@ def launch(specs: Sequence[WorkerSpec], command: Sequence[str], *,
         job = Job(job_id=job_id, secret=secret, size=len(specs), rendezvous_addr=addr,
                   rendezvous_port=port, master_addr=master_addr, master_port=master_port,
                   start_timeout_s=start_timeout_s, emulate_hosts=emulate_hosts,
-                  forward=dict(forward or {}), settings=dict(settings or {}))
+                  forward=dict(forward or {}), settings=dict(settings or {}),
+                  host_env=dict(host_env or {}))
         bases = {True: dict(env), False: remote_base_env(env)}
         if verbose:
             err(f"job {job_id}: rendezvous {addr}:{port}, MASTER_ADDR {master_addr}:"
@@ -258,7 +265,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         knobs = {config.env_name(k) for k in config.KNOBS}
         cfg = config.load({k: v for k, v in {**env, **settings}.items() if k in knobs})
         sm = _sagemaker(args, env)
-        hosts = None
+        hosts, host_env = None, None
         if sm is not None:
             if args.hosts or args.hostfile:
                 raise LaunchError("--sagemaker takes its hosts from SageMaker; drop -H/--hostfile")
@@ -275,6 +282,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.np = args.np or sum(n for _, n in hosts)
             args.network_interface = args.network_interface or sm.network_interface
             command += sagemaker.hyperparameter_args(sm.hyperparameters)
+            host_env = {h: sagemaker.worker_environment(sm, env, h) for h in sm.hosts}
             names |= {sm.current_host}
         if not command:
             raise LaunchError("no command to run")
@@ -298,7 +306,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                       start_timeout_s=cfg.start_timeout_s, kill_grace=args.kill_grace,
                       verbose=args.verbose, settings=settings, remote=remote,
                       network_interface=args.network_interface,
-                      output_dir=args.output_filename, environ=env)
+                      output_dir=args.output_filename, environ=env, host_env=host_env)
     except (LaunchError, ConfigError) as exc:
         err(f"error: {exc}")
         return ExitCode.USAGE
