@@ -132,7 +132,11 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("output")
     a = g.add_argument
     a("--model_dir", default="results/efficientnet")
-    a("--resume_checkpoint", default=None, help="checkpoint file or directory")
+    a("--resume_checkpoint", default=None,
+      help="checkpoint file or directory; training continues exactly where it stopped (the "
+           "data stream too); --mode eval scores it (default: --model_dir's checkpoint)")
+    a("--eval_untrained", action="store_true",
+      help="let --mode eval score a freshly initialised model when there is no checkpoint")
     a("--save_checkpoint_freq", type=int, default=5, help="epochs (0: only at the end)")
     a("--log_steps", type=int, default=100)
     a("--log_filename", default="log.json")

@@ -17,13 +17,17 @@ from __future__ import annotations
 
 import os
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from types import TracebackType
 from typing import BinaryIO
 
 import crc32c
 
-__all__ = ["TFRecordError", "TFRecordWriter", "count_records", "masked_crc", "read_records"]
+from .storage import open_binary
+
+__all__ = ["RecordRef", "TFRecordError", "TFRecordWriter", "count_records", "masked_crc",
+           "read_records"]
 
 _MASK_DELTA = 0xA282EAD8
 _HEADER = struct.Struct("<QI")
@@ -53,16 +57,55 @@ def _read_exact(f: BinaryIO, n: int, path: str, offset: int, what: str) -> bytes
     return data
 
 
-def read_records(path: str | os.PathLike[str], check_crc: bool = True) -> Iterator[bytes]:
-    """Yield the data of every record in the TFRecord file ``path``, in order.
+@dataclass(frozen=True)
+class RecordRef:
+    """A record located but not read: its file, the byte offset of its frame, its length.
+    :meth:`load` reads it (CRCs checked)."""
+
+    path: str
+    offset: int
+    length: int
+
+    def load(self, check_crc: bool = True) -> bytes:
+        """The record's data."""
+        with open_binary(self.path) as f:
+            f.seek(self.offset)
+            header = _read_exact(f, _HEADER.size, self.path, self.offset, "header")
+            frame = _read_exact(f, self.length + _FOOTER.size, self.path, self.offset, "data")
+        length, length_crc = _HEADER.unpack(header)
+        data, (data_crc,) = frame[:-_FOOTER.size], _FOOTER.unpack(frame[-_FOOTER.size:])
+        if length != self.length or (check_crc and masked_crc(header[:8]) != length_crc):
+            raise TFRecordError(self.path, self.offset, "the record changed since it was "
+                                                        "indexed (length or length CRC)")
+        if check_crc and masked_crc(data) != data_crc:
+            raise TFRecordError(self.path, self.offset, f"data CRC mismatch ({length}-byte "
+                                                        f"record)")
+        return data
+
+
+def _never() -> bool:
+    return False
+
+
+def read_records(path: str | os.PathLike[str], check_crc: bool = True, start: int = 0,
+                 stop: int | None = None, lazy: Callable[[], bool] = _never
+                 ) -> Iterator[bytes | RecordRef]:
+    """Yield the data of records ``start``..``stop`` (default: all) of the TFRecord file
+    ``path`` (a local path or a URL), in order.
+
+    Records before ``start`` are passed over by their headers alone (their data is not read),
+    and so is every record for which ``lazy()`` is true when it is reached: those come out as
+    a :class:`RecordRef` instead of bytes.
 
     Raises:
         TFRecordError: a CRC does not match (with ``check_crc``) or the file is truncated.
     """
     name = os.fspath(path)
-    with open(name, "rb") as f:
-        offset = 0
-        while True:
+    with open_binary(name) as f:
+        size = f.seek(0, os.SEEK_END)
+        f.seek(0)
+        offset = index = 0
+        while stop is None or index < stop:
             header = f.read(_HEADER.size)
             if not header:
                 return
@@ -72,12 +115,26 @@ def read_records(path: str | os.PathLike[str], check_crc: bool = True) -> Iterat
             length, length_crc = _HEADER.unpack(header)
             if check_crc and masked_crc(header[:8]) != length_crc:
                 raise TFRecordError(name, offset, "length CRC mismatch")
-            data = _read_exact(f, length, name, offset, "data")
-            (data_crc,) = _FOOTER.unpack(_read_exact(f, _FOOTER.size, name, offset, "data CRC"))
-            if check_crc and masked_crc(data) != data_crc:
-                raise TFRecordError(name, offset, f"data CRC mismatch ({length}-byte record)")
-            yield data
-            offset += _HEADER.size + length + _FOOTER.size
+            end = offset + _HEADER.size + length + _FOOTER.size
+            if index < start or lazy():
+                if end > size:
+                    raise TFRecordError(name, offset, "file ends inside the record")
+                f.seek(end)
+                if index >= start:
+                    yield RecordRef(name, offset, length)
+            else:
+                data = _read_exact(f, length, name, offset, "data")
+                (data_crc,) = _FOOTER.unpack(_read_exact(f, _FOOTER.size, name, offset,
+                                                         "data CRC"))
+                if check_crc and masked_crc(data) != data_crc:
+                    raise TFRecordError(name, offset, f"data CRC mismatch ({length}-byte "
+                                                      f"record)")
+                yield data
+            offset, index = end, index + 1
+
+
+def _always() -> bool:
+    return True
 
 
 def count_records(path: str | os.PathLike[str]) -> int:
@@ -85,24 +142,7 @@ def count_records(path: str | os.PathLike[str]) -> int:
 
     Length CRCs are checked, so a corrupt header is caught here already.
     """
-    name = os.fspath(path)
-    size = os.path.getsize(name)
-    count = offset = 0
-    with open(name, "rb") as f:
-        while offset < size:
-            header = f.read(_HEADER.size)
-            if len(header) != _HEADER.size:
-                raise TFRecordError(name, offset, "file ends inside a record header")
-            length, length_crc = _HEADER.unpack(header)
-            if masked_crc(header[:8]) != length_crc:
-                raise TFRecordError(name, offset, "length CRC mismatch")
-            offset += _HEADER.size + length + _FOOTER.size
-            if offset > size:
-                raise TFRecordError(name, offset - length - _HEADER.size - _FOOTER.size,
-                                    "file ends inside the record")
-            f.seek(offset)
-            count += 1
-    return count
+    return sum(1 for _ in read_records(path, lazy=_always))
 
 
 class TFRecordWriter:

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from apps.efficientnet.config.flags import LR_BATCH_BASE, LR_RULE, peak_lr
+from apps.efficientnet.config.flags import LR_BATCH_BASE, peak_lr
 from apps.efficientnet.config.variants import SMALL_CNN, SMALL_CNN_RESOLUTION, get_variant
 from apps.efficientnet.dataloader.tfrecord import count_records
 from apps.efficientnet.keras.comm import Comm, make_comm
@@ -207,7 +207,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                  f"image {image_size}, global batch {global_batch}, {steps} steps/epoch, "
                  f"amp {bool(args.use_amp)}, xla {bool(args.use_xla)}")
     logger.print(f"learning rate: peak {base_lr:.4g} = --lr_init {args.lr_init:g} x global "
-                 f"batch {global_batch} / {LR_BATCH_BASE} ({LR_RULE})")
+                 f"batch {global_batch} / {LR_BATCH_BASE}, NVIDIA's EfficientNet rule")
     train = data_.train_dataset(args, rank, size, image_size, steps, start,
                                 comm.dataset_batch(args.train_batch_size))
     evaluation = data_.eval_dataset(args, rank, size, image_size) \

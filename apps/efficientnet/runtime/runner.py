@@ -20,8 +20,9 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from apps.efficientnet.config.flags import LR_BATCH_BASE, LR_RULE
+from apps.efficientnet.config.flags import LR_BATCH_BASE
 from apps.efficientnet.dataloader import Preprocess, build_dataset, make_loader
+from apps.efficientnet.dataloader.index import Team
 from apps.efficientnet.runtime.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
 from apps.efficientnet.runtime.distributed import (
     Dist,
@@ -37,6 +38,7 @@ from apps.efficientnet.runtime.trainer import (
     evaluate,
     image_size,
     restore_trainer,
+    resume_stream,
     train_step,
     trainer_state,
 )
@@ -47,8 +49,12 @@ __all__ = ["build_datasets", "run", "save", "train_epoch"]
 def build_datasets(args: argparse.Namespace, dist: Dist) -> tuple[Any, Any]:
     """Training and (for modes that evaluate) evaluation datasets of this rank."""
     size = image_size(args)
+    team = Team(dist.rank, dist.size,
+                lambda obj: dist.hvd.broadcast_object(obj, root_rank=0,
+                                                      name="efficientnet.index.known"),
+                lambda obj: dist.hvd.allgather_object(obj, name="efficientnet.index.counted"))
     common = dict(rank=dist.rank, size=dist.size, seed=args.seed, num_classes=args.num_classes,
-                  synthetic=args.synthetic, label_offset=args.label_offset)
+                  synthetic=args.synthetic, label_offset=args.label_offset, team=team)
     train_pp = Preprocess(size, True, args.crop_min_scale, args.random_flip,
                           args.augmenter_name, args.raug_num_layers, args.raug_magnitude)
     train = None
@@ -118,6 +124,26 @@ def save(tr: Trainer, model_dir: str | os.PathLike[str]) -> Path | None:
     return None
 
 
+def _eval_checkpoint(args: argparse.Namespace, dist: Dist, logger: MetricLogger) -> str | None:
+    """The checkpoint ``--mode eval`` scores: ``--model_dir``'s when there is one (rank 0
+    looks), else none with ``--eval_untrained``, else an error on every rank."""
+    found = Path(args.model_dir) / CHECKPOINT_NAME
+    where = str(found) if dist.is_root and found.is_file() else None
+    if dist.size > 1:
+        where = dist.hvd.broadcast_object(where, root_rank=0, name="efficientnet.eval_ckpt")
+    if where is not None:
+        logger.print(f"eval: scoring the checkpoint in --model_dir ({where})")
+        return where
+    if not args.eval_untrained:
+        raise SystemExit(f"--mode eval needs a trained model: give --resume_checkpoint "
+                         f"FILE_OR_DIR (there is no {CHECKPOINT_NAME} in --model_dir "
+                         f"{args.model_dir}); to score a freshly initialised model on purpose, "
+                         f"add --eval_untrained")
+    logger.print("WARNING: --eval_untrained: scoring an UNTRAINED, randomly initialised model "
+                 "(no checkpoint); expect chance accuracy")
+    return None
+
+
 def _run(args: argparse.Namespace, dist: Dist) -> dict[str, Any]:
     if dist.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.local_size))
@@ -132,10 +158,14 @@ def _run(args: argparse.Namespace, dist: Dist) -> dict[str, Any]:
                  f"({args.backend}, {dist.device}), image {image_size(args)}, global batch "
                  f"{global_batch}, {steps} steps/epoch")
     logger.print(f"learning rate: peak {tr.schedule.base_lr:.4g} = --lr_init {args.lr_init:g} x "
-                 f"global batch {global_batch} / {LR_BATCH_BASE} ({LR_RULE})")
+                 f"global batch {global_batch} / {LR_BATCH_BASE}, NVIDIA's EfficientNet rule")
+    if args.mode == "eval" and not args.resume_checkpoint:
+        args.resume_checkpoint = _eval_checkpoint(args, dist, logger)
     if args.resume_checkpoint:
         restore_trainer(tr, load_checkpoint(args.resume_checkpoint) if dist.is_root else None)
         logger.print(f"resumed from {args.resume_checkpoint}: epoch {tr.epoch}, step {tr.step}")
+        if train_ds is not None:
+            logger.print(resume_stream(tr, train_ds))
 
     def eval_loader() -> Any:
         return make_loader(eval_ds, args.eval_batch_size, args.num_workers, drop_last=False)
@@ -143,6 +173,7 @@ def _run(args: argparse.Namespace, dist: Dist) -> dict[str, Any]:
     summary: dict[str, Any] = {}
     if args.mode == "eval":
         summary = evaluate(tr, eval_loader())
+        summary["checkpoint"] = args.resume_checkpoint or "none: untrained"
     else:
         batches = iter(make_loader(train_ds, args.train_batch_size, args.num_workers,
                                    drop_last=True, pin_memory=dist.device.type == "cuda"))

@@ -39,7 +39,7 @@ from apps.efficientnet.runtime.optim import LRSchedule, ModelEMA, build_optimize
 from shoal import timeline_range
 
 __all__ = ["LATENCY_NAMES", "StepStats", "Trainer", "build_trainer", "evaluate", "image_size",
-           "restore_trainer", "train_step", "trainer_state"]
+           "restore_trainer", "resume_stream", "stream_state", "train_step", "trainer_state"]
 
 LATENCY_NAMES = {kind: [f"{kind}_latency_{s}" for s in ("mean", "p90", "p95", "p99")]
               for kind in ("training", "eval")}
@@ -74,6 +74,7 @@ class Trainer:
     np_rng: np.random.Generator = field(default_factory=np.random.default_rng)
     step: int = 0
     epoch: int = 0
+    data_state: dict[str, int] | None = None  # the stream position a checkpoint recorded
 
     @property
     def global_batch(self) -> int:
@@ -212,7 +213,35 @@ def trainer_state(tr: Trainer) -> dict[str, Any]:
     return {"model": unwrap(tr.model).state_dict(), "optimizer": optimizer,
             "ema": tr.ema.state_dict() if tr.ema is not None else None,
             "scaler": tr.scaler.state_dict() if tr.scaler is not None else None,
-            "epoch": tr.epoch, "step": tr.step, "rng": rng, "args": vars(tr.args)}
+            "epoch": tr.epoch, "step": tr.step, "rng": rng, "args": vars(tr.args),
+            "data": stream_state(tr)}
+
+
+def stream_state(tr: Trainer) -> dict[str, int]:
+    """The training data stream's position: batches consumed (one per step) and what the
+    stream's layout depends on (batch size, DataLoader workers, ranks, seed)."""
+    return {"batches": tr.step, "batch_size": tr.args.train_batch_size,
+            "workers": tr.args.num_workers, "world_size": tr.dist.size, "seed": tr.args.seed,
+            "epoch": tr.epoch}
+
+
+def resume_stream(tr: Trainer, dataset: Any) -> str:
+    """Point ``dataset`` (before its DataLoader is made) at the position the restored
+    checkpoint recorded; what was done, as a line for the log."""
+    saved = tr.data_state
+    if not saved:
+        dataset.first_pass = tr.epoch
+        return ("data: the checkpoint has no stream position (an older one); the stream "
+                f"starts afresh at pass {tr.epoch}")
+    now = stream_state(tr)
+    layout = ("batch_size", "workers", "world_size", "seed")
+    changed = [f"{k} {saved[k]} -> {now[k]}" for k in layout if saved.get(k) != now[k]]
+    if changed:
+        dataset.first_pass = tr.epoch
+        return (f"data: cannot continue the stream exactly ({', '.join(changed)}); it starts "
+                f"afresh at pass {tr.epoch}, a new shuffle")
+    dataset.resume(saved["batches"], saved["batch_size"])
+    return f"data: the stream continues after batch {saved['batches']} (exact resume)"
 
 
 def restore_trainer(tr: Trainer, state: dict[str, Any] | None) -> None:
@@ -228,6 +257,7 @@ def restore_trainer(tr: Trainer, state: dict[str, Any] | None) -> None:
     if tr.scaler is not None and state.get("scaler"):
         tr.scaler.load_state_dict(state["scaler"])
     tr.epoch, tr.step = int(state["epoch"]), int(state["step"])
+    tr.data_state = state.get("data")
     rngs = state.get("rng") or []
     if tr.dist.rank < len(rngs):
         restore_rng(rngs[tr.dist.rank], tr.np_rng)
