@@ -144,12 +144,13 @@ def record_counts(files: Sequence[str], team: Team | None = None,
     return [known[f] for f in files]
 
 
-def assign(counts: Sequence[int], consumer: int, consumers: int) -> list[Span]:
+def assign(counts: Sequence[int], consumer: int, consumers: int, by_file: bool = True
+           ) -> list[Span]:
     """The part of ``consumer`` (of ``consumers``) as ``(file, first record, end record)``
     spans: every ``consumers``-th whole file from ``consumer`` on when there are at least as
-    many files as consumers, else the ``consumer``-th of ``consumers`` equal contiguous record
-    ranges of all files one after another."""
-    if len(counts) >= consumers:
+    many files as consumers (and ``by_file``), else the ``consumer``-th of ``consumers`` equal
+    contiguous record ranges of all files one after another."""
+    if by_file and len(counts) >= consumers:
         return [(i, 0, int(counts[i])) for i in range(consumer, len(counts), consumers)]
     total = sum(counts)
     lo, hi = total * consumer // consumers, total * (consumer + 1) // consumers

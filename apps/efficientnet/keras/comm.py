@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from apps.efficientnet.dataloader.index import Team
+
 __all__ = ["Comm", "make_comm"]
 
 
@@ -42,6 +44,12 @@ class Comm:
     def broadcast_object(self, obj: Any, name: str) -> Any:
         """Rank 0's ``obj`` on every worker."""
         return self.hvd.broadcast_object(obj, 0, name=name)
+
+    def team(self) -> Team:
+        """The workers, to share out counting the records (:mod:`...dataloader.index`)."""
+        return Team(self.rank, self.size,
+                    lambda obj: self.hvd.broadcast_object(obj, 0, name="efficientnet.known"),
+                    lambda obj: self.hvd.allgather_object(obj, name="efficientnet.counted"))
 
     def optimizer(self, opt: Any, compression: str) -> Any:
         """``opt`` made data-parallel."""
@@ -106,6 +114,11 @@ class MirroredComm(Comm):
     def broadcast_object(self, obj: Any, name: str) -> Any:
         raise NotImplementedError("--backend mwms is a benchmark backend: --resume_checkpoint "
                                   "is shoal's")
+
+    def team(self) -> Team:
+        """This worker alone: each counts what the index lacks (the index is written
+        atomically, so concurrent writers are harmless)."""
+        return Team()
 
     def optimizer(self, opt: Any, compression: str) -> Any:
         if compression != "none":

@@ -18,6 +18,8 @@ import numpy as np
 import tensorflow as tf
 
 from apps.efficientnet.dataloader.files import find_split
+from apps.efficientnet.dataloader.index import assign, record_counts
+from apps.efficientnet.dataloader.storage import is_url
 
 __all__ = ["decode", "eval_dataset", "eval_image", "read_split", "train_dataset",
            "train_image"]
@@ -26,11 +28,21 @@ _AUTOTUNE = tf.data.AUTOTUNE
 
 
 def _records(files: list[str], rank: int, size: int, by_file: bool) -> tf.data.Dataset:
+    """This rank's records: every ``size``-th file when there are enough files (``by_file``),
+    else its contiguous range of records (from the record index), reading only the files the
+    range touches."""
     if by_file and len(files) >= size:
         return tf.data.Dataset.from_tensor_slices(files).shard(size, rank).interleave(
             tf.data.TFRecordDataset, cycle_length=4, num_parallel_calls=_AUTOTUNE,
             deterministic=True)
-    return tf.data.TFRecordDataset(files).shard(size, rank)
+    spans = assign(record_counts(files), rank, size, by_file=False)
+    parts = [tf.data.TFRecordDataset(files[i]).skip(a).take(b - a) for i, a, b in spans]
+    if not parts:
+        return tf.data.TFRecordDataset([]).take(0)
+    data = parts[0]
+    for part in parts[1:]:
+        data = data.concatenate(part)
+    return data
 
 
 def decode(record: tf.Tensor, label_offset: int) -> tuple[tf.Tensor, tf.Tensor]:
@@ -81,6 +93,11 @@ def read_split(args: argparse.Namespace, split: str) -> list[str]:
     where = args.train_data_dir if split == "train" else args.eval_data_dir
     if where is None:
         raise FileNotFoundError(f"no {split} data: pass --data_dir, or --synthetic")
+    if is_url(where):
+        raise NotImplementedError(f"--framework tensorflow reads local files; {where!r} is a "
+                                  f"URL (tf.data reads s3:// only through tensorflow-io): "
+                                  f"mount it (FSx, EFS, SageMaker FastFile) or use --framework "
+                                  f"torch")
     kind, found = find_split(where, split)
     if kind != "tfrecord":
         raise NotImplementedError(f"--framework tensorflow reads TFRecords; {found!r} is an "

@@ -26,7 +26,7 @@ import numpy as np
 
 from apps.efficientnet.config.flags import LR_BATCH_BASE, peak_lr
 from apps.efficientnet.config.variants import SMALL_CNN, SMALL_CNN_RESOLUTION, get_variant
-from apps.efficientnet.dataloader.tfrecord import count_records
+from apps.efficientnet.dataloader.index import record_counts
 from apps.efficientnet.keras.comm import Comm, make_comm
 from apps.efficientnet.runtime.metrics import MetricLogger, latency_percentiles
 
@@ -182,8 +182,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     global_batch = args.train_batch_size * size
     steps = args.steps_per_epoch
     if not steps:
-        steps = 100 if args.synthetic else max(1, sum(
-            count_records(f) for f in data_.read_split(args, "train")) // global_batch)
+        steps = 100 if args.synthetic else max(1, sum(record_counts(
+            data_.read_split(args, "train"), comm.team())) // global_batch)
     logger = MetricLogger(Path(args.model_dir) / args.log_filename, enabled=rank == 0)
     logger.log("PARAMETER", {**vars(args), "world_size": size}, echo=False)
     base_lr = peak_lr(args.lr_init, global_batch)
