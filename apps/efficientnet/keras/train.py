@@ -186,6 +186,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             data_.read_split(args, "train"), comm.team())) // global_batch)
     logger = MetricLogger(Path(args.model_dir) / args.log_filename, enabled=rank == 0)
     logger.log("PARAMETER", {**vars(args), "world_size": size}, echo=False)
+    logger.of = f"/{args.max_epochs}"
     base_lr = peak_lr(args.lr_init, global_batch)
     schedule = WarmupDecay(base_lr, steps, steps * args.max_epochs,
                            int(args.lr_warmup_epochs * steps), args.lr_decay,

@@ -19,7 +19,8 @@ from typing import Any, TextIO
 
 from tqdm import tqdm
 
-__all__ = ["UNITS", "MetricLogger", "latency_percentiles"]
+__all__ = ["SHOWN", "UNITS", "MetricLogger", "compact", "latency_percentiles", "progress_bar",
+           "summary_table"]
 
 #: Unit of every metric the application reports (None: a plain number).
 UNITS: dict[str, str | None] = {
@@ -57,10 +58,76 @@ def latency_percentiles(seconds: list[float], prefix: str) -> dict[str, float]:
     return out
 
 
-def _fmt(name: str, value: Any) -> str:
-    unit = UNITS.get(name)
-    text = (f"{value:.2f}" if unit else f"{value:.5g}") if isinstance(value, float) else value
-    return f"{name} {text}" + ("%" if unit == "%" else f" {unit}" if unit else "")
+#: What the readable lines show of each metric: (name, format); the rest (losses in eval,
+#: top-5, latency percentiles, per-worker throughput) is in the summary and the JSON log.
+SHOWN: tuple[tuple[str, str], ...] = (
+    ("training_loss", "loss {:.3f}"),
+    ("training_accuracy_top_1", "top-1 {:.1f}%"),
+    ("eval_accuracy_top_1", "eval top-1 {:.1f}%"),
+    ("avg_exp_per_second_training", "{:.0f} img/s"),
+    ("learning_rate", "lr {:.3g}"),
+)
+_SHOWN = {name for name, _ in SHOWN}
+
+
+def compact(data: dict[str, Any]) -> str:
+    """The metrics of :data:`SHOWN` that ``data`` has, short (``loss 1.234  top-1 45.6%``),
+    then any other value that is not a number (``checkpoint ...``)."""
+    parts = [fmt.format(data[name]) for name, fmt in SHOWN
+             if isinstance(data.get(name), int | float)]
+    if "eval_accuracy_top_1" in data and "training_loss" not in data:  # an eval-only run
+        parts += [f"top-5 {data.get('eval_accuracy_top_5', 0.0):.1f}%",
+                  f"loss {data.get('eval_loss', 0.0):.3f}"]
+    parts += [f"{k} {v}" for k, v in data.items()
+              if k not in _SHOWN and not isinstance(v, int | float)]
+    return "  ".join(parts)
+
+
+def _cell(data: dict[str, Any], key: str, fmt: str, width: int) -> str:
+    value = data.get(key)
+    return f"{fmt.format(value) if isinstance(value, int | float) else '-':>{width}}"
+
+
+def summary_table(data: dict[str, Any]) -> list[str]:
+    """The final summary as a small table (about 60 columns): loss, top-1, top-5 and
+    images/s of training and evaluation, then the latencies (ms)."""
+    rows = []
+    cols = (("loss", "{:.4f}", 8), ("top-1", "{:.2f}%", 8), ("top-5", "{:.2f}%", 8),
+            ("img/s", "{:.1f}", 9))
+    for title, prefix in (("training", "training_"), ("eval", "eval_")):
+        keys = (f"{prefix}loss", f"{prefix}accuracy_top_1", f"{prefix}accuracy_top_5",
+                f"avg_exp_per_second_{prefix.rstrip('_')}")
+        if not any(isinstance(data.get(k), int | float) for k in keys):
+            continue
+        row = f"  {title:<10}" + "".join(_cell(data, k, f, w)
+                                         for k, (_, f, w) in zip(keys, cols, strict=True))
+        if prefix == "training_" and "training_time" in data:
+            row += f"   ({data['training_time']:.0f} s)"
+        rows.append(row)
+    if rows:
+        rows.insert(0, f"  {'summary':<10}" + "".join(f"{n:>{w}}" for n, _, w in cols))
+    lat = [(title, kind) for title, kind in (("training", "training"), ("eval", "eval"))
+           if isinstance(data.get(f"{kind}_latency_mean"), int | float)]
+    if lat:
+        rows.append(f"  {'latency ms':<10}" + "".join(f"{n:>8}" for n in ("mean", "p90", "p99")))
+        rows += [f"  {title:<10}" + "".join(_cell(data, f"{kind}_latency_{p}", "{:.1f}", 8)
+                                           for p in ("mean", "p90", "p99"))
+                 for title, kind in lat]
+    rows += [f"  {k:<10} {v}" for k, v in data.items() if not isinstance(v, int | float)]
+    return rows
+
+
+def progress_bar(total: int, desc: str, enabled: bool) -> tqdm:
+    """A per-epoch progress bar on stderr, shown on a terminal only: when stderr is one, or
+    when shoalrun's is (it sets ``SHOALRUN_TTY=1`` and draws rank 0's bar as a status line).
+    In a log (a pipe or a file) it stays silent, so logs hold the plain lines only."""
+    tty = sys.stderr.isatty() or os.environ.get("SHOALRUN_TTY") == "1"
+    columns = os.environ.get("COLUMNS", "")
+    return tqdm(total=total, desc=desc, leave=False, disable=not (enabled and tty),
+                file=sys.stderr, ncols=int(columns) if columns.isdigit() else None,
+                dynamic_ncols=not columns.isdigit(), mininterval=0.5,
+                bar_format="{desc}: {percentage:3.0f}%|{bar}| {n}/{total} [{elapsed}<{remaining}"
+                           "{postfix}]")
 
 
 class MetricLogger:
@@ -70,6 +137,7 @@ class MetricLogger:
                  stream: TextIO | None = None) -> None:
         self.enabled = enabled
         self.stream = stream or sys.stdout
+        self.of = ""  # "/N": the number of epochs, once known
         self._start = time.time()
         self._file: TextIO | None = None
         if enabled and path is not None:
@@ -94,11 +162,25 @@ class MetricLogger:
             return
         self._write({"type": "LOG", "step": list(step) if isinstance(step, tuple) else step,
                      "data": data})
-        if echo:
-            where = (f"epoch {step[0]} step {step[1]}" if isinstance(step, tuple)
-                     and len(step) == 2 else str(step))
-            tqdm.write(f"{where} | " + " | ".join(_fmt(k, v) for k, v in data.items()),
-                       file=self.stream)
+        if not echo:
+            return
+        if step == "SUMMARY":
+            for line in summary_table(data):
+                tqdm.write(line, file=self.stream)
+            return
+        self.echo(step, data)
+
+    def echo(self, step: str | tuple[int, ...], data: dict[str, Any]) -> None:
+        """The readable line of ``data`` at ``step`` on stdout only (rank 0)."""
+        if not self.enabled:
+            return
+        where = str(step)
+        if isinstance(step, tuple) and len(step) == 2:  # epoch lines leave the step out
+            where = f"epoch {step[0]}{self.of}" + (
+                "" if "avg_exp_per_second_training" in data else f" step {step[1]}")
+        text = compact(data)
+        if text:
+            tqdm.write(f"{where}  {text}", file=self.stream)
 
     def print(self, text: str) -> None:
         """A plain line on stdout (rank 0 only)."""

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from apps.efficientnet.config.flags import LR_BATCH_BASE
 from apps.efficientnet.dataloader import Preprocess, build_dataset, make_loader
@@ -30,7 +29,7 @@ from apps.efficientnet.runtime.distributed import (
     init_distributed,
     shutdown_distributed,
 )
-from apps.efficientnet.runtime.metrics import MetricLogger, latency_percentiles
+from apps.efficientnet.runtime.metrics import MetricLogger, latency_percentiles, progress_bar
 from apps.efficientnet.runtime.trainer import (
     LATENCY_NAMES,
     Trainer,
@@ -79,8 +78,8 @@ def train_epoch(tr: Trainer, batches: Iterator[tuple[torch.Tensor, torch.Tensor]
     window = [0.0, 0.0, 0.0, 0.0]  # loss * count, top-1 hits, top-5 hits, count
     total = [0.0, 0.0, 0.0, 0.0]
     times: list[float] = []
-    bar = tqdm(total=tr.steps_per_epoch, desc=f"epoch {tr.epoch + 1}", leave=False,
-               disable=None if dist.is_root else True, dynamic_ncols=True)
+    bar = progress_bar(tr.steps_per_epoch, f"epoch {tr.epoch + 1}/{args.max_epochs}",
+                       dist.is_root)
     lr = 0.0
     for i in range(tr.steps_per_epoch):
         t0 = time.perf_counter()
@@ -95,7 +94,9 @@ def train_epoch(tr: Trainer, batches: Iterator[tuple[torch.Tensor, torch.Tensor]
             acc[2] += s.correct_top5
             acc[3] += s.count
         bar.update(1)
-        bar.set_postfix(loss=f"{s.loss:.3f}", refresh=False)
+        if times:  # images/s of the job, as this rank sees it
+            rate = dist.size * args.train_batch_size * len(times) / sum(times)
+            bar.set_postfix_str(f"loss {s.loss:.3f}, {rate:.1f} img/s", refresh=False)
         if args.log_steps and tr.step % args.log_steps == 0:
             w = average(window, name=f"efficientnet.window.{tr.step}")
             logger.log((tr.epoch + 1, tr.step), {
@@ -149,6 +150,7 @@ def _run(args: argparse.Namespace, dist: Dist) -> dict[str, Any]:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.local_size))
     logger = MetricLogger(Path(args.model_dir) / args.log_filename, enabled=dist.is_root)
     logger.log("PARAMETER", {**vars(args), "world_size": dist.size}, echo=False)
+    logger.of = f"/{args.max_epochs}"
     train_ds, eval_ds = build_datasets(args, dist)
     global_batch = args.train_batch_size * dist.size
     steps = args.steps_per_epoch or (max(1, train_ds.num_examples() // global_batch)
@@ -183,11 +185,13 @@ def _run(args: argparse.Namespace, dist: Dist) -> dict[str, Any]:
             warmup = args.benchmark_warmup_steps if benchmark and tr.epoch == first else 1
             stats = train_epoch(tr, batches, logger, min(warmup, tr.steps_per_epoch - 1))
             tr.epoch += 1
-            logger.log((tr.epoch, tr.step), stats)
+            evaluating = args.mode == "train_and_eval"
+            logger.log((tr.epoch, tr.step), stats, echo=not evaluating)
             summary.update(stats)
-            if args.mode == "train_and_eval":
+            if evaluating:  # one line for the epoch: training, then evaluation
                 ev = evaluate(tr, eval_loader())
-                logger.log((tr.epoch, tr.step), ev)
+                logger.log((tr.epoch, tr.step), ev, echo=False)
+                logger.echo((tr.epoch, tr.step), {**stats, **ev})
                 summary.update(ev)
             freq = args.save_checkpoint_freq
             if not benchmark and ((freq and tr.epoch % freq == 0) or

@@ -62,6 +62,7 @@ from ..core import config
 from ..core.errors import ConfigError, ShoalError
 from . import options, sagemaker
 from .common import ExitCode, LaunchError, err
+from .console import worker_tty_env
 from .hosts import (
     WorkerSpec,
     interface_address,
@@ -115,6 +116,7 @@ class Job:
     forward: Mapping[str, str] = field(default_factory=dict)  # -x
     settings: Mapping[str, str] = field(default_factory=dict)  # knobs set by flags
     host_env: Mapping[str, Mapping[str, str]] = field(default_factory=dict)  # SageMaker's
+    tty: Mapping[str, str] = field(default_factory=dict)  # on a terminal: SHOALRUN_TTY, COLUMNS
 
 
 def parse_forward(items: Sequence[str], parent_env: Mapping[str, str]) -> dict[str, str]:
@@ -149,6 +151,7 @@ def worker_env(spec: WorkerSpec, job: Job, base_env: Mapping[str, str]) -> dict[
         env.update({name: str(value) for name in names})
     env[config.env_name("start_timeout_s")] = str(job.start_timeout_s)
     env["PYTHONUNBUFFERED"] = "1"
+    env.update(job.tty)
     if job.emulate_hosts:
         env[config.env_name("hostname")] = spec.host
     return env
@@ -214,7 +217,7 @@ def launch(specs: Sequence[WorkerSpec], command: Sequence[str], *,
                   rendezvous_port=port, master_addr=master_addr, master_port=master_port,
                   start_timeout_s=start_timeout_s, emulate_hosts=emulate_hosts,
                   forward=dict(forward or {}), settings=dict(settings or {}),
-                  host_env=dict(host_env or {}))
+                  host_env=dict(host_env or {}), tty=worker_tty_env())
         bases = {True: dict(env), False: remote_base_env(env)}
         if verbose:
             err(f"job {job_id}: rendezvous {addr}:{port}, MASTER_ADDR {master_addr}:"

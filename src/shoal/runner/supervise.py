@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import IO
 
 from .common import ExitCode, err
+from .console import StatusLine, split_segments, terminal
 from .hosts import WorkerSpec
 from .runners import HostRunner
 
@@ -93,22 +94,49 @@ def _write(out: IO[str], data: bytes) -> None:
         out.flush()
 
 
-def _pump(w: _Worker, stream: IO[bytes], name: str, lock: threading.Lock) -> None:
+def _pump(w: _Worker, stream: IO[bytes], name: str, lock: threading.Lock,
+          console: StatusLine | None = None) -> None:
     """Copy one worker stream line by line, tagged, to ``sys.<name>`` (and the rank's log);
-    keep draining even when our own output is gone, so that the worker never blocks."""
+    keep draining even when our own output is gone, so that the worker never blocks. With a
+    ``console`` (a terminal), carriage-return redraws become its status line."""
     tag = f"[{w.spec.rank}]<{name}>: ".encode()
-    with stream:
-        for line in iter(stream.readline, b""):
-            line = line if line.endswith(b"\n") else line + b"\n"
-            if name == "stderr" and line.strip():
-                w.last_error[0] = line.strip()
-            with lock:
+    out = getattr(sys, name)
+
+    def line(data: bytes) -> None:
+        data = data if data.endswith(b"\n") else data + b"\n"
+        if name == "stderr" and data.strip():
+            w.last_error[0] = data.strip()
+        with lock:
+            with contextlib.suppress(OSError, ValueError):
+                if console is not None:
+                    console.line(out, tag + data)
+                else:
+                    _write(out, tag + data)
+            if w.log is not None:
                 with contextlib.suppress(OSError, ValueError):
-                    _write(getattr(sys, name), tag + line)
-                if w.log is not None:
-                    with contextlib.suppress(OSError, ValueError):
-                        w.log.write(line)
-                        w.log.flush()
+                    w.log.write(data)
+                    w.log.flush()
+
+    with stream:
+        if console is None:
+            for data in iter(stream.readline, b""):
+                line(data)
+            return
+        buf = b""
+        while True:
+            chunk = stream.read1(65536) if hasattr(stream, "read1") else stream.read(65536)
+            buf += chunk
+            segments, buf = split_segments(buf, final=not chunk)
+            for text, is_line in segments:
+                if is_line:
+                    line(text)
+                else:
+                    with lock, contextlib.suppress(OSError, ValueError):
+                        console.status(out, tag + text)
+            if not chunk:
+                if buf:
+                    line(buf)
+                return
 
 
 def _signal_group(pid: int, sig: int) -> bool:
@@ -192,7 +220,7 @@ def _install_handlers(caught: list[int]) -> dict[int, object]:
 
 
 def _start(job: Launch, spec: WorkerSpec, lock: threading.Lock,
-           done: queue.Queue[_Worker]) -> _Worker:
+           done: queue.Queue[_Worker], console: StatusLine | None = None) -> _Worker:
     runner = job.runner_of(spec)
     proc = runner.popen(spec.host, job.command, job.env_of(spec), job.cwd)
     log = None
@@ -201,7 +229,7 @@ def _start(job: Launch, spec: WorkerSpec, lock: threading.Lock,
     w = _Worker(spec, runner, proc, log)
     assert proc.stdout is not None and proc.stderr is not None
     for stream, name in ((proc.stdout, "stdout"), (proc.stderr, "stderr")):
-        w.threads.append(threading.Thread(target=_pump, args=(w, stream, name, lock),
+        w.threads.append(threading.Thread(target=_pump, args=(w, stream, name, lock, console),
                                           daemon=True))
 
     def report() -> None:
@@ -223,6 +251,7 @@ def _ranks(ranks: Sequence[int], specs: Sequence[WorkerSpec]) -> str:
 def supervise(job: Launch) -> int:
     """Start the workers and wait for them; the job's exit code (see the module docstring)."""
     lock = threading.Lock()
+    console = StatusLine(lock, _write) if terminal() else None
     done: queue.Queue[_Worker] = queue.Queue()
     workers: list[_Worker] = []
     caught: list[int] = []
@@ -232,7 +261,7 @@ def supervise(job: Launch) -> int:
             if caught:
                 break
             try:
-                workers.append(_start(job, spec, lock, done))
+                workers.append(_start(job, spec, lock, done, console))
             except OSError as exc:
                 _stop_all(workers, job.kill_grace)
                 err(f"cannot start rank {spec.rank} on host {spec.host}: {exc}; stopped "
