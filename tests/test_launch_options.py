@@ -252,3 +252,26 @@ def test_workers_run_bound(tmp_path: Path) -> None:
     half = len(available) // 2
     if half:
         assert seen == sorted([str(available[:half]), str(available[half:2 * half])]), seen
+
+
+def test_console_segments_and_status_line() -> None:
+    """shoalrun on a terminal: ``\\r`` redraws become one status line, erased around lines."""
+    import io
+    import threading
+
+    from shoal.runner.console import StatusLine, split_segments
+
+    assert split_segments(b"a\nb\r\nbar 1\rbar 2\rtail") == (
+        [(b"a", True), (b"b", True), (b"bar 1", False), (b"bar 2", False)], b"tail")
+    assert split_segments(b"bar\r") == ([], b"bar\r")  # may be the start of \r\n
+    assert split_segments(b"bar\r", final=True) == ([(b"bar", False)], b"")
+    out = io.BytesIO()
+    console = StatusLine(threading.Lock(), lambda _o, data: out.write(data))
+    err_, out_ = io.StringIO(), io.StringIO()  # which stream: the writer above ignores it
+    console.status(err_, b"[0]<stderr>: 50%|##  |")
+    console.line(out_, b"[0]<stdout>: epoch 1\n")
+    console.status(err_, b"[0]<stderr>:       ")  # the bar closed: nothing is redrawn
+    console.line(out_, b"[1]<stdout>: done\n")
+    assert out.getvalue() == (b"\r\x1b[K[0]<stderr>: 50%|##  |" + b"\r\x1b[K[0]<stdout>: epoch 1\n"
+                              b"\r\x1b[K[0]<stderr>: 50%|##  |" + b"\r\x1b[K"
+                              b"[1]<stdout>: done\n")
