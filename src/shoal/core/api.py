@@ -13,6 +13,7 @@ import atexit
 import contextlib
 import functools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -68,7 +69,7 @@ def init(*, rank: int | None = None, size: int | None = None, local_rank: int | 
          secret: str | None = None, job_id: str | None = None,
          serve_store: bool | None = None,
          process_sets: Sequence[process_sets_.ProcessSet | Sequence[int]] = (),
-         **settings: Any) -> None:
+         store_prefix: str | None = None, **settings: Any) -> None:
     """Join the job: build the default communicator. Safe to call twice (the second call does
     nothing); after ``shutdown()`` it builds a fresh one.
 
@@ -79,7 +80,17 @@ def init(*, rank: int | None = None, size: int | None = None, local_rank: int | 
     serves the rendezvous store (default: unless shoalrun, which serves it, started the job;
     a store outside the workers survives any of them, which lets survivors name the dead).
     ``process_sets`` are registered at once (Horovod's static process sets).
+    ``store_prefix`` names this communicator's keys in the store (default: per process and
+    generation); an elastic world sets it, the same on every member.
+
+    In a worker of shoalrun's elastic mode (``SHOAL_ELASTIC_ID`` set) and without an explicit
+    ``rank``, it joins the driver's current world (:func:`shoal.core.elastic.join_world`).
     """
+    if rank is None and os.environ.get("SHOAL_ELASTIC_ID") and _state["comm"] is None:
+        from . import elastic
+
+        elastic.join_world()
+        return
     with _lock:
         if _state["comm"] is not None:
             return
@@ -105,7 +116,8 @@ def init(*, rank: int | None = None, size: int | None = None, local_rank: int | 
         closed_handshakes = 0
         while True:
             try:
-                comm = _join(info, cfg, serving, f"shoal/g{_state['generation']}")
+                comm = _join(info, cfg, serving,
+                             store_prefix or f"shoal/g{_state['generation']}")
                 break
             except (StoreClosedError, AuthenticationError) as exc:
                 # the store of an earlier generation was still up and went away under us
@@ -161,6 +173,11 @@ def shutdown() -> None:
 
 
 atexit.register(shutdown)
+
+
+def default_communicator() -> Communicator | None:
+    """The default communicator, or None before ``init()`` (no error)."""
+    return _state["comm"]
 
 
 def is_initialized() -> bool:

@@ -89,6 +89,10 @@ KNOBS: dict[str, Knob] = _knobs(
     Knob("timeout_s", float, 0.0, "hard limit on any wait inside a collective, even for a live "
          "peer (0: none; a dead, frozen or unreachable peer is found by heartbeats)"),
     Knob("heartbeat_interval_s", float, 1.0, "how often every rank tells its peers it is alive"),
+    Knob("elastic_id", str, None, "this worker's id (host:slot) in an elastic job; set by "
+         "shoalrun's elastic mode"),
+    Knob("elastic_timeout_s", float, 600.0, "elastic job: the longest wait for a world that "
+         "names this worker, and for enough workers (--elastic-timeout)"),
     Knob("heartbeat_timeout_s", float, 10.0, "a peer silent this long is lost (killed, frozen "
          "or unreachable); a live, busy peer is waited for"),
     Knob("start_timeout_s", float, 120.0, "longest wait for every rank to join the rendezvous"),

@@ -57,6 +57,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ..core import config
 from ..core.errors import ConfigError, ShoalError
@@ -246,6 +247,34 @@ def _sagemaker(args: object, env: Mapping[str, str]) -> sagemaker.SageMaker | No
     return sagemaker.load(env) if wanted or (implicit and sagemaker.detected(env)) else None
 
 
+def _elastic(args: object, command: list[str], cfg: config.Config,
+             env: Mapping[str, str]) -> int:
+    """shoalrun's elastic mode (:mod:`shoal.runner.elastic`)."""
+    from .elastic import ElasticOptions, discover, run_elastic
+
+    a: Any = args
+    hosts = parse_hosts(a.hosts) if a.hosts else parse_hostfile(a.hostfile) \
+        if a.hostfile else []
+    np_ = a.np or a.min_np or (sum(n for _, n in discover(a.host_discovery_script))
+                               if a.host_discovery_script else sum(n for _, n in hosts))
+    if not np_:
+        raise LaunchError("elastic: give -np (or --min-np)")
+    if not hosts and not a.host_discovery_script:
+        hosts = [("localhost", max(np_, a.max_np or np_))]
+    opts = ElasticOptions(np=np_, min_np=a.min_np or np_, max_np=a.max_np or max(np_, 1 << 20),
+                          discovery_script=a.host_discovery_script,
+                          discovery_interval_s=a.discovery_interval,
+                          elastic_timeout_s=cfg.elastic_timeout_s,
+                          reset_limit=a.reset_limit, blacklist_after=a.blacklist_after,
+                          hosts=tuple(hosts))
+    remote = make_runner(a.host_runner, python=a.remote_python, grace=a.kill_grace,
+                         ssh_port=a.ssh_port, ssh_identity_file=a.ssh_identity_file,
+                         connect_timeout=cfg.start_timeout_s)
+    return run_elastic(opts, command, remote=remote, environ=env,
+                       start_timeout_s=cfg.start_timeout_s, kill_grace=a.kill_grace,
+                       network_interface=a.network_interface)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``shoalrun``; returns the job's exit code."""
     env = os.environ
@@ -289,6 +318,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             names |= {sm.current_host}
         if not command:
             raise LaunchError("no command to run")
+        if args.min_np or args.max_np or args.host_discovery_script:
+            return _elastic(args, command, cfg, env)
         if args.hosts and args.hostfile:
             raise LaunchError("give the hosts with -H or --hostfile, not both")
         if args.hosts:

@@ -95,6 +95,24 @@ OPTIONS: tuple[Option, ...] = (
     _opt("--bind-to", "bind_to", "bind each worker to its share of the host's cores: auto "
          "(default; not when workers outnumber cores), core, none", knob="cpu_bind",
          metavar="MODE"),
+    _opt("--min-np", "min_np", "elastic: the fewest workers the job may go on with",
+         parse=int, env="SHOAL_MIN_NP", metavar="N"),
+    _opt("--max-np", "max_np", "elastic: the most workers the job may grow to",
+         parse=int, env="SHOAL_MAX_NP", metavar="N"),
+    _opt("--host-discovery-script", "host_discovery_script", "elastic: a script printing "
+         "host:slots lines, re-run to find hosts that came or went",
+         env="SHOAL_HOST_DISCOVERY_SCRIPT", metavar="FILE"),
+    _opt("--elastic-timeout", "elastic_timeout", "elastic: seconds to wait for --min-np "
+         "workers (and a worker for its world) before failing", parse=float,
+         knob="elastic_timeout_s", metavar="S"),
+    _opt("--reset-limit", "reset_limit", "elastic: fail after this many resets",
+         parse=int, env="SHOAL_RESET_LIMIT", metavar="N"),
+    _opt("--discovery-interval", "discovery_interval", "elastic: seconds between runs of the "
+         "discovery script", parse=float, env="SHOAL_DISCOVERY_INTERVAL_S", default=1.0,
+         metavar="S", advanced=True),
+    _opt("--blacklist-after", "blacklist_after", "elastic: failures after which a host is no "
+         "longer used", parse=int, env="SHOAL_BLACKLIST_AFTER", default=2, metavar="N",
+         advanced=True),
     _opt("-x", "forward", "export NAME=VALUE, or NAME with shoalrun's value, to the workers "
          "(repeatable)", env="SHOAL_EXPORT", repeat=True, metavar="NAME[=VALUE]"),
     _opt("--emulate-hosts", "emulate_hosts", "run every host on this machine as a simulated "

@@ -43,6 +43,7 @@ from shoal.core.process_sets import (
     remove_process_set,
 )
 
+from . import elastic
 from .autograd import (
     allgather,
     allreduce,
@@ -149,6 +150,7 @@ __all__ = [
     "cross_size",
     "cuda_built",
     "ddl_built",
+    "elastic",
     "global_process_set",
     "gloo_built",
     "gloo_enabled",

@@ -25,6 +25,8 @@ from typing import Any
 import torch
 
 import shoal
+from shoal.core.api import default_communicator
+from shoal.core.elastic import elastic_job
 from shoal.core.ops import ReduceOp
 from shoal.core.process_sets import communicator_for
 
@@ -130,14 +132,27 @@ class DistributedOptimizer(Wrapper):
 
         self._names = self._name_parameters(named_parameters)
         self._parameter_names = self._names  # Horovod's attribute
-        # a rank outside the process set steps on its own gradients, as in Horovod
-        member = process_set is None or process_set.included()
-        self._comm = communicator_for(process_set) if member else None
         self._counts: dict[torch.nn.Parameter, int] = {}
         self._synchronized = False
         self._skip = False
         self._hooks = []
-        self._check_same_model_everywhere()
+        self._setup = (bucket_bytes, compression, gradient_predivide_factor)
+        self._bind(check=not elastic_job())
+        for p in self._names:
+            if p.requires_grad:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+
+    def _bind(self, check: bool = True) -> None:
+        """Attach to the current communicator: the buckets depend on its size. Done again
+        when shoal was shut down and initialised anew (an elastic reset)."""
+        bucket_bytes, compression, predivide = self._setup
+        process_set = self.process_set
+        # a rank outside the process set steps on its own gradients, as in Horovod
+        member = process_set is None or process_set.included()
+        self._comm = communicator_for(process_set) if member else None
+        self._bound_to = default_communicator()
+        if check:
+            self._check_same_model_everywhere()
         trained = [p for p in self._names if p.requires_grad]
         # alone, every reduction is the identity: no buckets; gradients are counted (for the
         # same errors as with peers) and left where backward put them, as Horovod does
@@ -150,9 +165,7 @@ class DistributedOptimizer(Wrapper):
                     torch.get_num_threads(), len(os.sched_getaffinity(0)),
                     cfg.fusion_threshold)
             self._buckets = Buckets(trained, self._names, bucket_bytes, compression,
-                                    op, gradient_predivide_factor, process_set, sparse_as_dense)
-        for p in trained:
-            self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+                                    self.op, predivide, process_set, self.sparse_as_dense)
 
     def __repr__(self) -> str:
         return f"DistributedOptimizer({self._inner!r})"
@@ -196,6 +209,8 @@ class DistributedOptimizer(Wrapper):
 
     # -- the hot path ----------------------------------------------------------------------
     def _on_grad(self, p: torch.nn.Parameter) -> None:
+        if self._bound_to is not default_communicator():  # shoal re-initialised: rebind
+            self._bind(check=False)
         count = self._counts.get(p, 0) + 1
         self._counts[p] = count
         if count == self._passes:

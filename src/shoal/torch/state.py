@@ -48,16 +48,24 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
                          "tensor structure); rebuild it on every rank instead")
     inner = getattr(optimizer, "_inner", optimizer)  # the step of the wrapped optimizer only
     if not inner.state_dict()["state"]:
+        # one step on zero gradients creates the state; the parameters and the gradients are
+        # put back afterwards (a leftover gradient, or weight decay, must not move them)
         sparse = {id(p) for m in (model.modules() if model is not None else ())
                   if isinstance(m, torch.nn.Embedding) and m.sparse for p in m.parameters()}
+        kept = []
         for group in inner.param_groups:
             for p in group["params"]:
-                if p.requires_grad and p.grad is None:
+                if p.requires_grad:
+                    kept.append((p, p.detach().clone(), p.grad))
                     p.grad = torch.zeros_like(p)
                     if isinstance(inner, torch.optim.SparseAdam) or (
                             isinstance(inner, torch.optim.SGD) and id(p) in sparse):
                         p.grad = p.grad.to_sparse()
         inner.step()
+        with torch.no_grad():
+            for p, data, grad in kept:
+                p.copy_(data)
+                p.grad = grad
     state = broadcast_object(optimizer.state_dict(), root_rank,
                              name="shoal.torch.optimizer_state", process_set=process_set)
     optimizer.load_state_dict(state)

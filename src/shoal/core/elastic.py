@@ -1,0 +1,281 @@
+"""Elastic training, written once for every framework: state, the reset loop, and the worker's
+side of ``shoalrun``'s elastic mode.
+
+Horovod's model (``horovod.common.elastic``), with its names and meanings:
+
+* a :class:`State` holds what training needs to continue; ``commit()`` saves a copy (and
+  checks whether hosts were added or removed), ``restore()`` goes back to the last commit,
+  ``sync()`` sends rank 0's state to every rank;
+* :func:`run_fn` wraps the training function: when a peer is lost mid-step
+  (:class:`~shoal.PeerLostError`, a :class:`ShoalError` from inside a collective) the state is
+  restored to the last commit; when hosts changed (:class:`HostsUpdatedInterrupt`, raised by
+  ``commit()`` / ``check_host_updates()`` on every rank at the same step) it is kept; either
+  way shoal is shut down, the worker joins the next world, the reset callbacks run, and the
+  function is called again after ``sync()``.
+
+The elastic driver (``shoalrun --min-np ... --host-discovery-script ...``,
+:mod:`shoal.runner.elastic`) publishes each world in its rendezvous store under
+:data:`WORLD_KEY`: a version and the members (worker ids) in rank order. A worker knows its id
+from ``SHOAL_ELASTIC_ID``; :func:`join_world` waits for a world newer than the last one it was
+part of, and initialises shoal as its member (shared memory and store keys are per world).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from . import api
+from .auth import secret_bytes
+from .errors import CollectiveMismatchError, ShoalError, ShoalTimeoutError
+
+__all__ = ["ELASTIC_ID_VAR", "WORLD_KEY", "HostsUpdatedInterrupt", "ObjectState", "State",
+           "WorldPlan", "elastic_job", "join_world", "reset", "run_fn", "world_version"]
+
+#: The worker's id in an elastic job (``host:slot``); set by the elastic driver.
+ELASTIC_ID_VAR = "SHOAL_ELASTIC_ID"
+#: The store key under which the driver publishes the current world (JSON).
+WORLD_KEY = "elastic/world"
+_F = TypeVar("_F", bound=Callable[..., Any])
+_joined = {"version": -1}
+_log = logging.getLogger("shoal.elastic")
+
+
+class HostsUpdatedInterrupt(RuntimeError):  # noqa: N818 - Horovod's name
+    """Hosts were added to or removed from the job: every rank raises it at the same commit,
+    the state is kept (it is the commit), and the job resets into the new world.
+    ``skip_sync``: no new worker needs the state (only removals)."""
+
+    def __init__(self, skip_sync: bool = False) -> None:
+        super().__init__("the job's hosts changed")
+        self.skip_sync = skip_sync
+
+
+@dataclass(frozen=True)
+class WorldPlan:
+    """One world of an elastic job, as the driver publishes it."""
+
+    version: int
+    members: tuple[str, ...]  # worker ids, in rank order
+    hosts: tuple[str, ...]  # each member's host
+    added: bool = False  # some member is new in this world (it needs the state)
+
+    def to_json(self) -> bytes:
+        """The published form."""
+        return json.dumps({"version": self.version, "members": list(self.members),
+                           "hosts": list(self.hosts), "added": self.added}).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> WorldPlan:
+        """Parse the published form."""
+        d = json.loads(data)
+        return cls(int(d["version"]), tuple(d["members"]), tuple(d["hosts"]),
+                   bool(d.get("added")))
+
+
+def _store() -> Any:
+    from .rendezvous import StoreClient
+
+    key = secret_bytes(os.environ["SHOAL_SECRET"])
+    return StoreClient(os.environ["SHOAL_RENDEZVOUS_ADDR"],
+                       int(os.environ["SHOAL_RENDEZVOUS_PORT"]), key, timeout=10.0,
+                       connect_timeout=10.0)
+
+
+def _read_plan(store: Any) -> WorldPlan | None:
+    try:
+        data = store.get(WORLD_KEY, 0.5)
+    except (ShoalTimeoutError, TimeoutError, KeyError):
+        return None
+    return WorldPlan.from_json(data) if data else None
+
+
+def elastic_job() -> bool:
+    """Whether this process is a worker of shoalrun's elastic mode."""
+    return bool(os.environ.get(ELASTIC_ID_VAR))
+
+
+def world_version() -> int:
+    """The version of the world this worker last joined (-1: none)."""
+    return _joined["version"]
+
+
+def join_world(timeout: float | None = None) -> WorldPlan:
+    """Wait for a published world newer than the last one joined that names this worker,
+    and initialise shoal as its member; the plan.
+
+    Raises:
+        ShoalTimeoutError: no such world within ``timeout`` (default: the elastic timeout,
+            ``SHOAL_ELASTIC_TIMEOUT_S``, 600 s); the driver has dropped this worker.
+    """
+    me = os.environ.get(ELASTIC_ID_VAR)
+    if not me:
+        raise ShoalError(f"not an elastic worker: {ELASTIC_ID_VAR} is not set (start the job "
+                         f"with shoalrun --min-np/--max-np or --host-discovery-script)")
+    wait = timeout if timeout is not None else float(
+        os.environ.get("SHOAL_ELASTIC_TIMEOUT_S", "600"))
+    deadline = time.monotonic() + wait
+    store = _store()
+    try:
+        while True:
+            plan = _read_plan(store)
+            if plan is not None and plan.version > _joined["version"] and me in plan.members:
+                break
+            if time.monotonic() > deadline:
+                raise ShoalTimeoutError(f"elastic worker {me}: no world named it within "
+                                        f"{wait:g}s (the driver dropped it?)")
+            time.sleep(0.05)
+    finally:
+        store.close()
+    rank = plan.members.index(me)
+    host = plan.hosts[rank]
+    local = [i for i, h in enumerate(plan.hosts) if h == host]
+    base = os.environ.get("SHOAL_JOB_ID", "elastic")
+    api.init(rank=rank, size=len(plan.members), local_rank=local.index(rank),
+             local_size=len(local), hostname=host, job_id=f"{base}-w{plan.version}",
+             store_prefix=f"elastic/w{plan.version}", serve_store=False)
+    _joined["version"] = plan.version
+    return plan
+
+
+def reset() -> WorldPlan:
+    """Leave the current world (shut shoal down) and join the next one."""
+    api.shutdown()
+    return join_world()
+
+
+def latest_plan() -> WorldPlan | None:
+    """The newest world the driver has published (None outside an elastic job)."""
+    if not os.environ.get(ELASTIC_ID_VAR):
+        return None
+    store = _store()
+    try:
+        return _read_plan(store)
+    finally:
+        store.close()
+
+
+class State:
+    """What training needs to continue after a reset; see the module docstring.
+
+    ``bcast_object(obj)`` returns rank 0's ``obj`` on every rank; ``get_rank()`` this rank.
+    Subclasses implement :meth:`save`, :meth:`restore` and :meth:`sync`.
+    """
+
+    def __init__(self, bcast_object: Callable[[Any], Any], get_rank: Callable[[], int]) -> None:
+        self._bcast_object, self._rank = bcast_object, get_rank
+        self._reset_callbacks: list[Callable[[], None]] = []
+
+    def register_reset_callbacks(self, callbacks: list[Callable[[], None]]) -> None:
+        """Functions to call after every reset (to rescale the learning rate, say)."""
+        self._reset_callbacks.extend(callbacks)
+
+    def on_reset(self) -> None:
+        """Run the reset callbacks (the reset loop calls this after joining a new world)."""
+        for callback in self._reset_callbacks:
+            callback()
+
+    def commit(self) -> None:
+        """Save the state, then check for added or removed hosts (which raises
+        :class:`HostsUpdatedInterrupt` on every rank)."""
+        self.save()
+        self.check_host_updates()
+
+    def check_host_updates(self) -> None:
+        """Raise :class:`HostsUpdatedInterrupt` on every rank when the driver has published a
+        newer world; all ranks agree (rank 0's view is broadcast)."""
+        plan = latest_plan()
+        newer = None
+        if plan is not None and plan.version > _joined["version"]:
+            newer = (plan.version, plan.added)
+        newer = self._bcast_object(newer)
+        if newer is not None:
+            raise HostsUpdatedInterrupt(skip_sync=not newer[1])
+
+    def save(self) -> None:
+        """Keep a copy of the state (in memory)."""
+        raise NotImplementedError
+
+    def restore(self) -> None:
+        """Go back to the last saved copy."""
+        raise NotImplementedError
+
+    def sync(self) -> None:
+        """Make every rank's state rank 0's."""
+        raise NotImplementedError
+
+
+class ObjectState(State):
+    """State made of picklable attributes (``ObjectState(bcast, rank, epoch=0, batch=0)``):
+    ``state.epoch`` reads and writes them; ``sync()`` broadcasts them from rank 0."""
+
+    def __init__(self, bcast_object: Callable[[Any], Any], get_rank: Callable[[], int],
+                 **kwargs: Any) -> None:
+        self._saved_state = dict(kwargs)
+        self._set_attrs()
+        super().__init__(bcast_object, get_rank)
+
+    def _set_attrs(self) -> None:
+        for name, value in self._saved_state.items():
+            setattr(self, name, copy.deepcopy(value))
+
+    def save(self) -> None:
+        """Copy the attributes."""
+        self._saved_state = {name: copy.deepcopy(getattr(self, name))
+                             for name in self._saved_state}
+
+    def restore(self) -> None:
+        """Set the attributes back to the last commit."""
+        self._set_attrs()
+
+    def sync(self) -> None:
+        """Rank 0's attributes everywhere (and saved as the commit)."""
+        if self._saved_state:
+            self.save()
+            self._saved_state = self._bcast_object(self._saved_state)
+            self._set_attrs()
+
+
+def _retryable(exc: BaseException) -> bool:
+    """A loss inside a collective (the communicator is closed): retry in a new world. A
+    mismatch or a bad argument is the program's, not the world's: no retry."""
+    return isinstance(exc, ShoalError) and not isinstance(exc, CollectiveMismatchError)
+
+
+def run_fn(func: _F, reset_fn: Callable[[], Any] = reset) -> _F:
+    """Wrap ``func(state, *args, **kwargs)`` in the elastic reset loop (Horovod's
+    ``run_fn``): restore on a lost peer, keep on a hosts update, reset, sync, call again."""
+
+    @functools.wraps(func)
+    def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
+        if not api.is_initialized():
+            if os.environ.get(ELASTIC_ID_VAR):
+                join_world()
+            else:
+                api.init()
+        skip_sync = False
+        while True:
+            try:
+                if not skip_sync:
+                    state.sync()
+                return func(state, *args, **kwargs)
+            except HostsUpdatedInterrupt as exc:
+                skip_sync = exc.skip_sync
+            except Exception as exc:
+                if not _retryable(exc) or not os.environ.get(ELASTIC_ID_VAR):
+                    raise
+                _log.warning("elastic: %s: %s; back to the last commit, joining the next "
+                             "world", type(exc).__name__, exc)
+                state.restore()
+                skip_sync = False
+            reset_fn()
+            state.on_reset()
+
+    return wrapper  # type: ignore[return-value]

@@ -1,0 +1,297 @@
+"""``shoalrun`` in elastic mode: keep a job training while workers come and go.
+
+``shoalrun -np 3 --min-np 2 --max-np 4 --host-discovery-script ./hosts.sh python train.py``
+(horovodrun's flags). The driver here:
+
+* runs the discovery script every ``--discovery-interval`` seconds; each line it prints is
+  ``host:slots`` (or ``host``, one slot); without a script the hosts of ``-H`` / this machine
+  with ``-np`` slots are the fixed pool. Hosts are this machine's names (workers started
+  here, told ``SHOAL_HOSTNAME=<host>`` so that each listed host is a host to shoal) or
+  others (reached by ssh, as in a plain job);
+* starts one worker per slot, up to ``--max-np`` (``-np`` at first), each with a stable id
+  ``host:slot`` (``SHOAL_ELASTIC_ID``), and publishes the world (members in rank order) in its
+  rendezvous store (:data:`shoal.core.elastic.WORLD_KEY`); survivors keep the low ranks, so
+  rank 0 always holds the state that new workers receive;
+* when a worker exits with an error or is killed, or its host leaves discovery (its workers
+  are stopped), publishes a smaller world: the survivors, inside ``hvd.elastic.run``, see the
+  lost peer, restore the last commit and continue; when slots appear, starts workers and
+  publishes a larger world, which running workers notice at their next ``state.commit()``;
+* does not reuse the slot of a worker that failed (a new slot in discovery is needed);
+  blacklists a host whose workers failed ``--blacklist-after`` times (default 2);
+* fails the job, saying why, when fewer than ``--min-np`` workers are left for
+  ``--elastic-timeout`` seconds, or when more than ``--reset-limit`` resets were needed; ends
+  it when the workers exit 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import secrets
+import socket
+import subprocess
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..core import config
+from ..core.auth import secret_bytes
+from ..core.elastic import ELASTIC_ID_VAR, WORLD_KEY, WorldPlan
+from .common import ExitCode, LaunchError, err
+from .hosts import WorkerSpec, local_host_names
+from .runners import HostRunner, LocalRunner
+from .supervise import Launch, _start, _stop_all, _Worker
+
+__all__ = ["ElasticOptions", "discover", "parse_discovery", "run_elastic"]
+
+
+@dataclass(frozen=True)
+class ElasticOptions:
+    """The elastic flags of shoalrun."""
+
+    np: int
+    min_np: int
+    max_np: int
+    discovery_script: str | None = None
+    discovery_interval_s: float = 1.0
+    elastic_timeout_s: float = 600.0
+    reset_limit: int | None = None
+    blacklist_after: int = 2
+    hosts: tuple[tuple[str, int], ...] = ()  # the fixed pool without a script
+
+    def check(self) -> None:
+        """:class:`LaunchError` for impossible settings."""
+        if not 1 <= self.min_np <= self.np <= self.max_np:
+            raise LaunchError(f"elastic: need 1 <= --min-np ({self.min_np}) <= -np ({self.np}) "
+                              f"<= --max-np ({self.max_np})")
+        if self.discovery_interval_s <= 0 or self.elastic_timeout_s <= 0:
+            raise LaunchError("elastic: --discovery-interval and --elastic-timeout must be > 0")
+
+
+def parse_discovery(text: str) -> list[tuple[str, int]]:
+    """``host:slots`` lines (``host`` alone: 1 slot; blank lines and ``#`` comments
+    skipped), in order."""
+    out: list[tuple[str, int]] = []
+    for raw in text.splitlines():
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        host, _, slots = line.partition(":")
+        if not host or (slots and not slots.strip().isdigit()):
+            raise LaunchError(f"host discovery: cannot read {raw!r} (expected host:slots)")
+        if any(h == host for h, _ in out):
+            continue
+        out.append((host, int(slots) if slots else 1))
+    return out
+
+
+def discover(script: str, timeout: float = 30.0) -> list[tuple[str, int]]:
+    """Run the discovery script; its hosts and slots."""
+    try:
+        proc = subprocess.run([script], capture_output=True, text=True, timeout=timeout,
+                              shell=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise LaunchError(f"host discovery script {script}: {exc}") from None
+    if proc.returncode != 0:
+        raise LaunchError(f"host discovery script {script} exited with {proc.returncode}: "
+                          f"{proc.stderr.strip()[-300:]}")
+    return parse_discovery(proc.stdout)
+
+
+@dataclass
+class _Member:
+    id: str
+    host: str
+    worker: _Worker
+    joined: int  # the world version it first joined
+
+
+@dataclass
+class _Driver:
+    opts: ElasticOptions
+    command: list[str]
+    environ: Mapping[str, str]
+    remote: HostRunner
+    store_addr: str
+    store_port: int
+    secret: str
+    job_id: str
+    start_timeout_s: float
+    kill_grace: float
+    members: dict[str, _Member] = field(default_factory=dict)
+    failures: Counter[str] = field(default_factory=Counter)
+    blacklist: set[str] = field(default_factory=set)
+    retired: set[str] = field(default_factory=set)  # slots whose worker failed: not reused
+    version: int = 0
+    resets: int = 0
+    serial: int = 0
+    local: HostRunner = field(default_factory=LocalRunner)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    done: queue.Queue[_Worker] = field(default_factory=queue.Queue)
+    names: set[str] = field(default_factory=local_host_names)
+
+    def pool(self) -> list[tuple[str, int]]:
+        hosts = (discover(self.opts.discovery_script) if self.opts.discovery_script
+                 else list(self.opts.hosts))
+        return [(h, n) for h, n in hosts if h not in self.blacklist]
+
+    def env_of(self, spec: WorkerSpec, member_id: str) -> dict[str, str]:
+        local = spec.local
+        base = dict(self.environ) if local else {
+            k: v for k, v in self.environ.items()
+            if k.startswith("SHOAL_") or k in ("PATH", "PYTHONPATH", "VIRTUAL_ENV")}
+        for k in ("SHOAL_RANK", "SHOAL_SIZE", "SHOAL_LOCAL_RANK", "SHOAL_LOCAL_SIZE",
+                  "RANK", "WORLD_SIZE", "LOCAL_RANK", "HOROVOD_RANK", "HOROVOD_SIZE"):
+            base.pop(k, None)
+        base.update({
+            "SHOAL_RENDEZVOUS_ADDR": self.store_addr, "SHOAL_RENDEZVOUS_PORT": str(self.store_port),
+            "SHOAL_SECRET": self.secret, "SHOAL_JOB_ID": self.job_id,
+            ELASTIC_ID_VAR: member_id, "SHOAL_HOSTNAME": spec.host,
+            "SHOAL_ELASTIC_TIMEOUT_S": str(self.opts.elastic_timeout_s),
+            config.env_name("start_timeout_s"): str(self.start_timeout_s),
+            "PYTHONUNBUFFERED": "1"})
+        return base
+
+    def start(self, host: str, slot: int) -> None:
+        member_id = f"{host}:{slot}"
+        local = host in self.names or host in ("localhost", "127.0.0.1") or (
+            not self.opts.discovery_script and not self.opts.hosts)
+        local = local or self.remote is None
+        spec = WorkerSpec(rank=self.serial, local_rank=slot, local_size=1, cross_rank=0,
+                          cross_size=1, host=host, local=local)
+        self.serial += 1
+        env = self.env_of(spec, member_id)
+        job = Launch([spec], list(self.command),
+                     runner_of=lambda s: self.local if s.local else self.remote,
+                     env_of=lambda s: env, cwd=os.getcwd(), job_id=self.job_id,
+                     kill_grace=self.kill_grace, start_timeout_s=self.start_timeout_s)
+        worker = _start(job, spec, self.lock, self.done)
+        self.members[member_id] = _Member(member_id, host, worker, self.version + 1)
+
+    def publish(self, store: object, added: bool) -> None:
+        self.version += 1
+        order = sorted(self.members.values(), key=lambda m: (m.joined, m.worker.spec.rank))
+        plan = WorldPlan(self.version, tuple(m.id for m in order),
+                         tuple(m.host for m in order), added)
+        store.set(WORLD_KEY, plan.to_json())  # type: ignore[attr-defined]
+        err(f"elastic: world {self.version}: {len(order)} workers "
+            f"({', '.join(plan.members)})")
+
+
+def run_elastic(opts: ElasticOptions, command: Sequence[str], *, remote: HostRunner,
+                environ: Mapping[str, str] | None = None, start_timeout_s: float = 120.0,
+                kill_grace: float = 5.0, network_interface: str | None = None) -> int:
+    """Run an elastic job (see the module docstring); its exit code."""
+    from ..core.rendezvous import StoreClient, StoreServer
+    from .hosts import interface_address
+
+    opts.check()
+    env = dict(os.environ if environ is None else environ)
+    addr = interface_address(network_interface) if network_interface else "127.0.0.1"
+    if opts.discovery_script or opts.hosts:
+        pool_hosts = [h for h, _ in (opts.hosts or ())]
+        if any(h not in local_host_names() for h in pool_hosts) and not network_interface:
+            addr = socket.gethostbyname(socket.gethostname())
+    secret, job_id = secrets.token_hex(32), f"{int(time.time() * 1000):x}-{os.getpid()}"
+    server = StoreServer(secret_bytes(secret), host=addr, port=0).start()
+    store = StoreClient(addr, int(server.address[1]), secret_bytes(secret), timeout=10.0)
+    d = _Driver(opts, list(command), env, remote, addr, int(server.address[1]), secret, job_id,
+                start_timeout_s, kill_grace)
+    try:
+        return _loop(d, store)
+    finally:
+        _stop_all([m.worker for m in d.members.values()], kill_grace)
+        store.close()
+        server.close()
+        for path in Path("/dev/shm").glob(f"shoal-{job_id}-*"):
+            path.unlink(missing_ok=True)
+
+
+def _loop(d: _Driver, store: object) -> int:
+    opts = d.opts
+    want = opts.np
+    below_since: float | None = None
+    next_discovery = 0.0
+    first = True
+    finished: list[str] = []
+    while True:
+        changed, added = False, False
+        for m in list(d.members.values()):  # exits
+            rc = m.worker.proc.poll()
+            if rc is None:
+                continue
+            for t in m.worker.threads:
+                if t is not threading.current_thread() and t.name != "report":
+                    t.join(timeout=1.0)
+            del d.members[m.id]
+            if rc == 0:
+                finished.append(m.id)
+                continue
+            d.failures[m.host] += 1
+            d.retired.add(m.id)
+            why = f"signal {-rc}" if rc < 0 else f"exit code {rc}"
+            err(f"elastic: worker {m.id} failed ({why}); {len(d.members)} left")
+            if d.failures[m.host] >= opts.blacklist_after and m.host not in d.blacklist:
+                d.blacklist.add(m.host)
+                err(f"elastic: host {m.host} blacklisted after {d.failures[m.host]} failures")
+            changed = True
+        if finished:
+            if not d.members:
+                err(f"elastic: job finished ({len(finished)} workers exited 0)")
+                return ExitCode.OK
+            time.sleep(0.05)
+            continue
+        now = time.monotonic()
+        if now >= next_discovery:
+            next_discovery = now + opts.discovery_interval_s
+            try:
+                pool = d.pool()
+            except LaunchError as exc:
+                err(f"elastic: {exc}")
+                pool = None
+            if pool is not None:
+                slots = [(h, s) for h, n in pool for s in range(n)]
+                ids = {f"{h}:{s}" for h, s in slots}
+                for m in [m for m in d.members.values() if m.id not in ids]:
+                    err(f"elastic: host {m.host} left discovery: stopping worker {m.id}")
+                    _stop_all([m.worker], d.kill_grace)
+                    del d.members[m.id]
+                    changed = True
+                limit = want if first else opts.max_np
+                for h, s in slots:
+                    if len(d.members) >= limit:
+                        break
+                    if f"{h}:{s}" not in d.members and f"{h}:{s}" not in d.retired:
+                        d.start(h, s)
+                        changed = added = True
+        if len(d.members) < opts.min_np:
+            below_since = below_since or now
+            if now - below_since > opts.elastic_timeout_s or (first and now - below_since >
+                                                             opts.elastic_timeout_s):
+                err(f"elastic: only {len(d.members)} workers (below --min-np {opts.min_np}) "
+                    f"for {opts.elastic_timeout_s:g}s: stopping the job")
+                return ExitCode.ERROR
+            time.sleep(0.05)
+            continue
+        below_since = None
+        if changed or first:
+            if not first:
+                d.resets += 1
+                if opts.reset_limit is not None and d.resets > opts.reset_limit:
+                    err(f"elastic: reset limit {opts.reset_limit} reached ({d.resets} resets):"
+                        f" stopping the job")
+                    return ExitCode.ERROR
+            d.publish(store, added and not first)
+            first = False
+        time.sleep(0.05)
+
+
+def _json_hosts(text: str) -> list[tuple[str, int]]:  # pragma: no cover - debugging aid
+    return [(h, int(n)) for h, n in json.loads(text)]
+
+
+_UNUSED: Callable[..., object] | None = None
