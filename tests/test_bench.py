@@ -189,3 +189,14 @@ def test_faults_detected_and_reported(tmp_path) -> None:
     assert proc.returncode == 0, proc.stderr
     text = (tmp_path / "RELIABILITY.md").read_text()
     assert "| `kill9-same-host`" in text and "as designed" in text and "**wrong**" not in text
+
+
+def test_elastic_section_reports_medians_and_targets() -> None:
+    from shoal.bench.elastic import section
+    data = {"workers": 3, "targets_s": {"default": 10.0, "fast": 3.0},
+            "median_recovery_s": {"default": 0.5, "fast": 0.4},
+            "trials": [{"setting": "default", "recovery_s": 0.5},
+                       {"setting": "fast", "recovery_s": 0.4}]}
+    text = "\n".join(section(data))
+    assert "| default | 0.50 s | 0.50 | < 10 s |" in text
+    assert "| fast | 0.40 s | 0.40 | < 3 s |" in text and "--trials 1" in text

@@ -270,6 +270,10 @@ def build(folder: str) -> str:
     if data is not None:
         from .collectives import section as collectives_section
         lines += collectives_section(data)
+    data = load_results(folder, "elastic")
+    if data is not None:
+        from .elastic import section as elastic_section
+        lines += elastic_section(data)
     # train.json, then any train-*.json (further training comparisons), each its own section
     for path in sorted(glob.glob(os.path.join(folder, "train*.json")),
                        key=lambda p: (os.path.basename(p) != "train.json", p)):

@@ -37,7 +37,8 @@ from .auth import secret_bytes
 from .errors import CollectiveMismatchError, ShoalError, ShoalTimeoutError
 
 __all__ = ["ELASTIC_ID_VAR", "WORLD_KEY", "HostsUpdatedInterrupt", "ObjectState", "State",
-           "WorldPlan", "elastic_job", "join_world", "reset", "run_fn", "world_version"]
+           "WorldPlan", "elastic_job", "join_world", "reset", "run_fn", "world_broken",
+           "world_version"]
 
 #: The worker's id in an elastic job (``host:slot``); set by the elastic driver.
 ELASTIC_ID_VAR = "SHOAL_ELASTIC_ID"
@@ -249,9 +250,20 @@ def _retryable(exc: BaseException) -> bool:
     return isinstance(exc, ShoalError) and not isinstance(exc, CollectiveMismatchError)
 
 
-def run_fn(func: _F, reset_fn: Callable[[], Any] = reset) -> _F:
+def world_broken() -> bool:
+    """Whether the current communicator failed (a peer was lost): whatever error a framework
+    wrapped that failure in, the job must reset."""
+    comm = api.default_communicator()
+    return comm is not None and comm.engine.broken is not None
+
+
+def run_fn(func: _F, reset_fn: Callable[[], Any] = reset,
+           retryable: Callable[[BaseException], bool] | None = None) -> _F:
     """Wrap ``func(state, *args, **kwargs)`` in the elastic reset loop (Horovod's
-    ``run_fn``): restore on a lost peer, keep on a hosts update, reset, sync, call again."""
+    ``run_fn``): restore on a lost peer, keep on a hosts update, reset, sync, call again.
+    ``retryable`` says which errors are a lost world (default: shoal's own, and any error
+    raised while the communicator is broken)."""
+    retry = retryable or (lambda exc: _retryable(exc) or world_broken())
 
     @functools.wraps(func)
     def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
@@ -269,7 +281,7 @@ def run_fn(func: _F, reset_fn: Callable[[], Any] = reset) -> _F:
             except HostsUpdatedInterrupt as exc:
                 skip_sync = exc.skip_sync
             except Exception as exc:
-                if not _retryable(exc) or not os.environ.get(ELASTIC_ID_VAR):
+                if not retry(exc) or not os.environ.get(ELASTIC_ID_VAR):
                     raise
                 _log.warning("elastic: %s: %s; back to the last commit, joining the next "
                              "world", type(exc).__name__, exc)

@@ -111,6 +111,11 @@ class Engine(SmallPath):
             req.future.set_result(req.out if req.result is None else req.result)
         return req.future
 
+    @property
+    def broken(self) -> BaseException | None:
+        """The failure that stopped this engine (None while it works)."""
+        return self._broken
+
     def _check_usable(self) -> None:
         if self._broken is not None:
             raise ShoalError(f"rank {self.rank}: shoal cannot run collectives after an earlier "

@@ -18,6 +18,6 @@ except ModuleNotFoundError as exc:  # pragma: no cover - depends on the environm
 
 from shoal._keras import install
 
-from . import callbacks
+from . import callbacks, elastic
 
-__all__ = [*install(keras, globals()), "callbacks"]
+__all__ = [*install(keras, globals()), "callbacks", "elastic"]
