@@ -14,6 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from test_launch_remote import netns as netns_fixture
+
+netns = netns_fixture  # the fixture (root: network namespaces), under its name here
+
 torch = pytest.importorskip("torch")
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TRAIN = r"""
 import hashlib, json, os, signal, sys, time
 from pathlib import Path
+
 import torch
 import shoal.torch as hvd
 
@@ -99,8 +104,11 @@ def _shoalrun(tmp: Path, *flags: str, epochs: int = 2, env: dict[str, str] | Non
     argv = [sys.executable, "-m", "shoal.runner", *flags, sys.executable, str(script),
             str(tmp / "out"), str(epochs)]
     if wait:
-        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
-                              env={**_env(), **(env or {})}, cwd=ROOT)
+        try:
+            return subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
+                                  env={**_env(), **(env or {})}, cwd=ROOT)
+        except subprocess.TimeoutExpired as exc:
+            pytest.fail(f"the elastic job hung:\n{exc.stdout}\n{exc.stderr}"[-5000:])
     return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**_env(), **(env or {})}, cwd=ROOT)
 
@@ -180,3 +188,51 @@ def test_worker_added_through_discovery(tmp_path: Path) -> None:
     finals = _finals(stdout)
     assert [(r, n) for r, n, _ in finals] == [(r, 4) for r in range(4)]
     assert len({h for _, _, h in finals}) == 1
+
+
+def test_reset_limit_stops_the_job(tmp_path: Path) -> None:
+    _discovery(tmp_path, "localhost:3\n")
+    proc = _shoalrun(tmp_path, "-np", "3", "--min-np", "2", "--reset-limit", "0",
+                     "--host-discovery-script", str(tmp_path / "discover.sh"),
+                     env={"KILL_ID": "localhost:1", "KILL_AT": "1"})
+    assert proc.returncode != 0
+    assert "reset limit 0 reached (1 resets): stopping the job" in proc.stderr
+
+
+def test_slot_removed_from_discovery(tmp_path: Path) -> None:
+    """Discovery drops a slot: its worker is stopped, the others go on with 2 workers and
+    every sample of the epoch is still processed."""
+    hosts = _discovery(tmp_path, "localhost:3\n")
+    proc = _shoalrun(tmp_path, "-np", "3", "--min-np", "2",
+                     "--host-discovery-script", str(tmp_path / "discover.sh"),
+                     "--discovery-interval", "0.2", env={"STEP_PAUSE": "0.1"}, wait=False)
+    out = tmp_path / "out"
+    deadline = time.monotonic() + 60
+    while sum(len(f.read_text().splitlines()) for f in out.glob("*.jsonl")) < 6:
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.05)
+    hosts.write_text("localhost:2\n")
+    stdout, stderr = proc.communicate(timeout=150)
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    assert "left discovery: stopping worker localhost:2" in stderr
+    seen = _committed(out)
+    assert sorted(seen[0]) == list(range(48)) and sorted(seen[1]) == list(range(48))
+    assert [(r, n) for r, n, _ in _finals(stdout)] == [(0, 2), (1, 2)]
+
+
+def test_emulated_hosts_lose_a_worker(netns: tuple[str, str, str, str], tmp_path: Path) -> None:
+    """Hosts that are network namespaces (root): 2 workers on one, 1 on the other, reached
+    through the netns runner; the lone worker of the second host is killed."""
+    a, b, bridge, _ = netns
+    _discovery(tmp_path, f"{a}:2\n{b}:1\n")
+    proc = _shoalrun(tmp_path, "-np", "3", "--min-np", "2", "--host-runner", "netns",
+                     "--network-interface", bridge, "--host-discovery-script",
+                     str(tmp_path / "discover.sh"), env={"KILL_ID": f"{b}:0", "KILL_AT": "3"},
+                     timeout=40)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"worker {b}:0 failed" in proc.stderr
+    seen = _committed(tmp_path / "out")
+    assert sorted(seen[0]) == list(range(48)) and sorted(seen[1]) == list(range(48))
+    finals = _finals(proc.stdout)
+    assert [(r, n) for r, n, _ in finals] == [(0, 2), (1, 2)]
+    assert finals[0][2] == finals[1][2]

@@ -246,6 +246,7 @@ def _loop(d: _Driver, store: object) -> int:
             time.sleep(0.05)
             continue
         now = time.monotonic()
+        pool: list[tuple[str, int]] | None = None
         if now >= next_discovery:
             next_discovery = now + opts.discovery_interval_s
             try:
@@ -268,6 +269,12 @@ def _loop(d: _Driver, store: object) -> int:
                     if f"{h}:{s}" not in d.members and f"{h}:{s}" not in d.retired:
                         d.start(h, s)
                         changed = added = True
+        if not d.members and d.failures and pool is not None and not any(
+                f"{h}:{s}" not in d.retired for h, n in pool for s in range(n)):
+            err(f"elastic: every worker failed and no slot is left to start one "
+                f"({sum(d.failures.values())} failures; blacklisted: "
+                f"{', '.join(sorted(d.blacklist)) or 'none'}): stopping the job")
+            return ExitCode.ERROR
         if len(d.members) < opts.min_np:
             below_since = below_since or now
             if now - below_since > opts.elastic_timeout_s or (first and now - below_since >
