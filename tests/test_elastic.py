@@ -126,6 +126,16 @@ def _committed(out: Path, whole_steps: bool = True) -> dict[int, list[int]]:
     return seen
 
 
+def _after_steps(tmp: Path, proc: subprocess.Popen[str], lines: int) -> Path:
+    """Wait until the job has written ``lines`` committed steps; the output folder."""
+    out = tmp / "out"
+    deadline = time.monotonic() + 60
+    while sum(len(f.read_text().splitlines()) for f in out.glob("*.jsonl")) < lines:
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.05)
+    return out
+
+
 def _finals(stdout: str) -> list[tuple[int, int, str]]:
     """``(rank, size, weights digest)`` of every worker that finished."""
     out = []
@@ -170,11 +180,7 @@ def test_worker_added_through_discovery(tmp_path: Path) -> None:
     proc = _shoalrun(tmp_path, "-np", "3", "--min-np", "2", "--max-np", "4",
                      "--host-discovery-script", str(tmp_path / "discover.sh"),
                      "--discovery-interval", "0.2", env={"STEP_PAUSE": "0.15"}, wait=False)
-    out = tmp_path / "out"
-    deadline = time.monotonic() + 60
-    while sum(len(f.read_text().splitlines()) for f in out.glob("*.jsonl")) < 6:
-        assert time.monotonic() < deadline and proc.poll() is None
-        time.sleep(0.05)
+    out = _after_steps(tmp_path, proc, 6)
     hosts.write_text("localhost:4\n")
     stdout, stderr = proc.communicate(timeout=150)
     assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
@@ -206,11 +212,7 @@ def test_slot_removed_from_discovery(tmp_path: Path) -> None:
     proc = _shoalrun(tmp_path, "-np", "3", "--min-np", "2",
                      "--host-discovery-script", str(tmp_path / "discover.sh"),
                      "--discovery-interval", "0.2", env={"STEP_PAUSE": "0.1"}, wait=False)
-    out = tmp_path / "out"
-    deadline = time.monotonic() + 60
-    while sum(len(f.read_text().splitlines()) for f in out.glob("*.jsonl")) < 6:
-        assert time.monotonic() < deadline and proc.poll() is None
-        time.sleep(0.05)
+    out = _after_steps(tmp_path, proc, 6)
     hosts.write_text("localhost:2\n")
     stdout, stderr = proc.communicate(timeout=150)
     assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
