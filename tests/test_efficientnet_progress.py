@@ -81,7 +81,7 @@ def test_bar_on_a_terminal_not_in_a_log(tmp_path: Path) -> None:
     assert [line.split()[0] for line in lines[-4:]] == ["summary", "training", "latency",
                                                         "training"]
     assert lines[-4].split() == ["summary", "loss", "top-1", "top-5", "img/s"]
-    assert max(len(line) for line in lines) <= 100, max(lines, key=len)
+    assert max(len(line) for line in lines) <= 80, max(lines, key=len)
 
 
 def test_bar_through_shoalrun_on_a_terminal(tmp_path: Path) -> None:

@@ -204,11 +204,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.resume_checkpoint:
         start = restore_checkpoint(model, args.resume_checkpoint, comm)
         logger.print(f"resumed from {args.resume_checkpoint}: epoch {start}")
-    logger.print(f"{args.arch} {args.mode}: {size} ranks (keras, {comm.name}), {image_size} px, "
-                 f"batch {global_batch}, {steps} steps/epoch")
-    logger.print(f"amp {bool(args.use_amp)}, xla {bool(args.use_xla)}")
-    logger.print(f"peak lr {base_lr:.4g} = --lr_init {args.lr_init:g} x global batch "
-                 f"{global_batch} / {LR_BATCH_BASE} (NVIDIA's rule)")
+    logger.print(f"{args.arch} {args.mode}: {size} ranks (keras, {comm.name})")
+    logger.print(f"{image_size} px, global batch {global_batch}, {steps} steps/epoch, amp "
+                 f"{bool(args.use_amp)}, xla {bool(args.use_xla)}")
+    logger.print(f"peak lr {base_lr:.4g} = --lr_init {args.lr_init:g} x {global_batch} / "
+                 f"{LR_BATCH_BASE} (NVIDIA's rule)")
     train = data_.train_dataset(args, rank, size, image_size, steps, start,
                                 comm.dataset_batch(args.train_batch_size))
     evaluation = data_.eval_dataset(args, rank, size, image_size) \

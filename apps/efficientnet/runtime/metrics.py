@@ -62,8 +62,8 @@ def latency_percentiles(seconds: list[float], prefix: str) -> dict[str, float]:
 #: top-5, latency percentiles, per-worker throughput) is in the summary and the JSON log.
 SHOWN: tuple[tuple[str, str], ...] = (
     ("training_loss", "loss {:.3f}"),
-    ("training_accuracy_top_1", "top-1 {:.1f}%"),
-    ("eval_accuracy_top_1", "eval top-1 {:.1f}%"),
+    ("training_accuracy_top_1", "acc {:.1f}%"),
+    ("eval_accuracy_top_1", "eval {:.1f}%"),
     ("avg_exp_per_second_training", "{:.0f} img/s"),
     ("learning_rate", "lr {:.3g}"),
 )
@@ -71,7 +71,8 @@ _SHOWN = {name for name, _ in SHOWN}
 
 
 def compact(data: dict[str, Any]) -> str:
-    """The metrics of :data:`SHOWN` that ``data`` has, short (``loss 1.234  top-1 45.6%``),
+    """The metrics of :data:`SHOWN` that ``data`` has, short (``loss 1.234  acc 45.6%``: the
+    training loss and top-1, ``eval``: the evaluation's top-1),
     then any other value that is not a number (``checkpoint ...``)."""
     parts = [fmt.format(data[name]) for name, fmt in SHOWN
              if isinstance(data.get(name), int | float)]

@@ -156,9 +156,9 @@ def _run(args: argparse.Namespace, dist: Dist) -> dict[str, Any]:
     steps = args.steps_per_epoch or (max(1, train_ds.num_examples() // global_batch)
                                      if train_ds is not None else 1)
     tr = build_trainer(args, dist, steps)
-    logger.print(f"{args.arch} {args.mode}: {dist.size} ranks ({args.backend}, {dist.device}), "
-                 f"{image_size(args)} px, batch {global_batch}, {steps} steps/epoch")
-    logger.print(f"peak lr {tr.schedule.base_lr:.4g} = --lr_init {args.lr_init:g} x global batch "
+    logger.print(f"{args.arch} {args.mode}: {dist.size} ranks ({args.backend}, {dist.device})")
+    logger.print(f"{image_size(args)} px, global batch {global_batch}, {steps} steps/epoch")
+    logger.print(f"peak lr {tr.schedule.base_lr:.4g} = --lr_init {args.lr_init:g} x "
                  f"{global_batch} / {LR_BATCH_BASE} (NVIDIA's rule)")
     if args.mode == "eval" and not args.resume_checkpoint:
         args.resume_checkpoint = _eval_checkpoint(args, dist, logger)

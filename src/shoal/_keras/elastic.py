@@ -33,9 +33,9 @@ from shoal.core.elastic import (
     run_fn,
 )
 
-__all__ = ["CommitStateCallback", "HostsUpdatedInterrupt", "KerasState", "State",
-           "TensorFlowKerasState", "UpdateBatchStateCallback", "UpdateEpochStateCallback",
-           "run"]
+__all__ = ["CommitStateCallback", "HostsUpdatedInterrupt", "KerasState", "ObjectState",
+           "State", "TensorFlowKerasState", "UpdateBatchStateCallback",
+           "UpdateEpochStateCallback", "run"]
 
 
 def _bcast(obj: Any) -> Any:

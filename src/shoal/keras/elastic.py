@@ -6,6 +6,7 @@ from shoal._keras.elastic import (
     CommitStateCallback,
     HostsUpdatedInterrupt,
     KerasState,
+    ObjectState,
     State,
     TensorFlowKerasState,
     UpdateBatchStateCallback,
@@ -13,6 +14,6 @@ from shoal._keras.elastic import (
     run,
 )
 
-__all__ = ["CommitStateCallback", "HostsUpdatedInterrupt", "KerasState", "State",
-           "TensorFlowKerasState", "UpdateBatchStateCallback", "UpdateEpochStateCallback",
-           "run"]
+__all__ = ["CommitStateCallback", "HostsUpdatedInterrupt", "KerasState", "ObjectState",
+           "State", "TensorFlowKerasState", "UpdateBatchStateCallback",
+           "UpdateEpochStateCallback", "run"]

@@ -42,7 +42,8 @@ from shoal.core.elastic import (
 
 from .state import broadcast_object, broadcast_optimizer_state, broadcast_parameters
 
-__all__ = ["ElasticSampler", "HostsUpdatedInterrupt", "State", "TorchState", "run"]
+__all__ = ["ElasticSampler", "HostsUpdatedInterrupt", "ObjectState", "State", "TorchState",
+           "run"]
 
 
 def _bcast(obj: Any) -> Any:
