@@ -238,3 +238,16 @@ def test_emulated_hosts_lose_a_worker(netns: tuple[str, str, str, str], tmp_path
     finals = _finals(proc.stdout)
     assert [(r, n) for r, n, _ in finals] == [(0, 2), (1, 2)]
     assert finals[0][2] == finals[1][2]
+
+
+def test_flags_reach_elastic_workers_and_launcher_settings_do_not(tmp_path: Path) -> None:
+    script = tmp_path / "env.py"
+    script.write_text("import os\nprint('env', os.environ['SHOAL_ELASTIC_ID'], "
+                      "os.environ.get('SHOAL_CYCLE_TIME_MS'), os.environ.get('SHOAL_MIN_NP'))\n")
+    proc = subprocess.run([sys.executable, "-m", "shoal.runner", "-np", "2",
+                           "--cycle-time-ms", "7", sys.executable, str(script)],
+                          capture_output=True, text=True, timeout=60,
+                          env={**_env(), "SHOAL_MIN_NP": "1"}, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = sorted(line.split("env ", 1)[1] for line in proc.stdout.splitlines() if "env " in line)
+    assert got == ["localhost:0 7.0 None", "localhost:1 7.0 None"], proc.stdout

@@ -25,7 +25,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import queue
 import secrets
@@ -34,7 +33,7 @@ import subprocess
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,6 +42,7 @@ from ..core.auth import secret_bytes
 from ..core.elastic import ELASTIC_ID_VAR, WORLD_KEY, WorldPlan
 from .common import ExitCode, LaunchError, err
 from .hosts import WorkerSpec, local_host_names
+from .options import LAUNCHER_VARS
 from .runners import HostRunner, LocalRunner
 from .supervise import Launch, _start, _stop_all, _Worker
 
@@ -122,6 +122,7 @@ class _Driver:
     job_id: str
     start_timeout_s: float
     kill_grace: float
+    settings: Mapping[str, str] = field(default_factory=dict)
     members: dict[str, _Member] = field(default_factory=dict)
     failures: Counter[str] = field(default_factory=Counter)
     blacklist: set[str] = field(default_factory=set)
@@ -145,8 +146,10 @@ class _Driver:
             k: v for k, v in self.environ.items()
             if k.startswith("SHOAL_") or k in ("PATH", "PYTHONPATH", "VIRTUAL_ENV")}
         for k in ("SHOAL_RANK", "SHOAL_SIZE", "SHOAL_LOCAL_RANK", "SHOAL_LOCAL_SIZE",
-                  "RANK", "WORLD_SIZE", "LOCAL_RANK", "HOROVOD_RANK", "HOROVOD_SIZE"):
+                  "RANK", "WORLD_SIZE", "LOCAL_RANK", "HOROVOD_RANK", "HOROVOD_SIZE",
+                  *LAUNCHER_VARS):  # shoalrun's own settings stay with shoalrun
             base.pop(k, None)
+        base.update(self.settings)  # knobs set by flags (--timeline-filename ...)
         base.update({
             "SHOAL_RENDEZVOUS_ADDR": self.store_addr, "SHOAL_RENDEZVOUS_PORT": str(self.store_port),
             "SHOAL_SECRET": self.secret, "SHOAL_JOB_ID": self.job_id,
@@ -184,8 +187,10 @@ class _Driver:
 
 def run_elastic(opts: ElasticOptions, command: Sequence[str], *, remote: HostRunner,
                 environ: Mapping[str, str] | None = None, start_timeout_s: float = 120.0,
-                kill_grace: float = 5.0, network_interface: str | None = None) -> int:
-    """Run an elastic job (see the module docstring); its exit code."""
+                kill_grace: float = 5.0, network_interface: str | None = None,
+                settings: Mapping[str, str] | None = None) -> int:
+    """Run an elastic job (see the module docstring); its exit code. ``settings``: the knobs
+    that flags set, for every worker."""
     from ..core.rendezvous import StoreClient, StoreServer
     from .hosts import interface_address
 
@@ -200,7 +205,7 @@ def run_elastic(opts: ElasticOptions, command: Sequence[str], *, remote: HostRun
     server = StoreServer(secret_bytes(secret), host=addr, port=0).start()
     store = StoreClient(addr, int(server.address[1]), secret_bytes(secret), timeout=10.0)
     d = _Driver(opts, list(command), env, remote, addr, int(server.address[1]), secret, job_id,
-                start_timeout_s, kill_grace)
+                start_timeout_s, kill_grace, dict(settings or {}))
     try:
         return _loop(d, store)
     finally:
@@ -296,9 +301,3 @@ def _loop(d: _Driver, store: object) -> int:
             first = False
         time.sleep(0.05)
 
-
-def _json_hosts(text: str) -> list[tuple[str, int]]:  # pragma: no cover - debugging aid
-    return [(h, int(n)) for h, n in json.loads(text)]
-
-
-_UNUSED: Callable[..., object] | None = None

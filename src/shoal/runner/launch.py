@@ -248,7 +248,7 @@ def _sagemaker(args: object, env: Mapping[str, str]) -> sagemaker.SageMaker | No
 
 
 def _elastic(args: object, command: list[str], cfg: config.Config,
-             env: Mapping[str, str]) -> int:
+             env: Mapping[str, str], settings: Mapping[str, str]) -> int:
     """shoalrun's elastic mode (:mod:`shoal.runner.elastic`)."""
     from .elastic import ElasticOptions, discover, run_elastic
 
@@ -272,7 +272,7 @@ def _elastic(args: object, command: list[str], cfg: config.Config,
                          connect_timeout=cfg.start_timeout_s)
     return run_elastic(opts, command, remote=remote, environ=env,
                        start_timeout_s=cfg.start_timeout_s, kill_grace=a.kill_grace,
-                       network_interface=a.network_interface)
+                       network_interface=a.network_interface, settings=settings)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -319,7 +319,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not command:
             raise LaunchError("no command to run")
         if args.min_np or args.max_np or args.host_discovery_script:
-            return _elastic(args, command, cfg, env)
+            return _elastic(args, command, cfg, env, settings)
         if args.hosts and args.hostfile:
             raise LaunchError("give the hosts with -H or --hostfile, not both")
         if args.hosts:
