@@ -136,6 +136,21 @@ def _after_steps(tmp: Path, proc: subprocess.Popen[str], lines: int) -> Path:
     return out
 
 
+def _rediscover(tmp: Path, hosts_after: str, *flags: str, pause: str
+                ) -> tuple[Path, str, str]:
+    """3 local slots, then, after 6 committed steps, discovery says ``hosts_after``; the job
+    must end well: (output folder, stdout, stderr)."""
+    hosts = _discovery(tmp, "localhost:3\n")
+    proc = _shoalrun(tmp, "-np", "3", "--min-np", "2", *flags, "--host-discovery-script",
+                     str(tmp / "discover.sh"), "--discovery-interval", "0.2",
+                     env={"STEP_PAUSE": pause}, wait=False)
+    out = _after_steps(tmp, proc, 6)
+    hosts.write_text(hosts_after + "\n")
+    stdout, stderr = proc.communicate(timeout=150)
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    return out, stdout, stderr
+
+
 def _finals(stdout: str) -> list[tuple[int, int, str]]:
     """``(rank, size, weights digest)`` of every worker that finished."""
     out = []
@@ -176,14 +191,7 @@ def test_below_min_np_fails_with_reason(tmp_path: Path) -> None:
 def test_worker_added_through_discovery(tmp_path: Path) -> None:
     """A fourth slot appears in discovery: a new worker starts, the others reset at their
     next commit, it receives the state and takes a share of the rest of the epoch."""
-    hosts = _discovery(tmp_path, "localhost:3\n")
-    proc = _shoalrun(tmp_path, "-np", "3", "--min-np", "2", "--max-np", "4",
-                     "--host-discovery-script", str(tmp_path / "discover.sh"),
-                     "--discovery-interval", "0.2", env={"STEP_PAUSE": "0.15"}, wait=False)
-    out = _after_steps(tmp_path, proc, 6)
-    hosts.write_text("localhost:4\n")
-    stdout, stderr = proc.communicate(timeout=150)
-    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    out, stdout, _ = _rediscover(tmp_path, "localhost:4", "--max-np", "4", pause="0.15")
     new = out / "localhost:3.jsonl"
     assert new.is_file() and new.read_text().strip()  # the new worker took a share
     assert set(_committed(out, whole_steps=False)[1]) == set(range(48))
@@ -208,14 +216,7 @@ def test_reset_limit_stops_the_job(tmp_path: Path) -> None:
 def test_slot_removed_from_discovery(tmp_path: Path) -> None:
     """Discovery drops a slot: its worker is stopped, the others go on with 2 workers and
     every sample of the epoch is still processed."""
-    hosts = _discovery(tmp_path, "localhost:3\n")
-    proc = _shoalrun(tmp_path, "-np", "3", "--min-np", "2",
-                     "--host-discovery-script", str(tmp_path / "discover.sh"),
-                     "--discovery-interval", "0.2", env={"STEP_PAUSE": "0.1"}, wait=False)
-    out = _after_steps(tmp_path, proc, 6)
-    hosts.write_text("localhost:2\n")
-    stdout, stderr = proc.communicate(timeout=150)
-    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    out, stdout, stderr = _rediscover(tmp_path, "localhost:2", pause="0.1")
     assert "left discovery: stopping worker localhost:2" in stderr
     seen = _committed(out)
     assert sorted(seen[0]) == list(range(48)) and sorted(seen[1]) == list(range(48))

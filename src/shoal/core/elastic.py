@@ -22,6 +22,7 @@ part of, and initialises shoal as its member (shared memory and store keys are p
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import json
@@ -46,6 +47,7 @@ ELASTIC_ID_VAR = "SHOAL_ELASTIC_ID"
 WORLD_KEY = "elastic/world"
 _F = TypeVar("_F", bound=Callable[..., Any])
 _joined = {"version": -1}
+_client: dict[str, Any] = {}
 _log = logging.getLogger("shoal.elastic")
 
 
@@ -82,12 +84,24 @@ class WorldPlan:
 
 
 def _store() -> Any:
+    """This worker's client of the driver's store: one connection for the process (a commit
+    every step must not open a connection each time); a new one after a failure."""
     from .rendezvous import StoreClient
 
-    key = secret_bytes(os.environ["SHOAL_SECRET"])
-    return StoreClient(os.environ["SHOAL_RENDEZVOUS_ADDR"],
-                       int(os.environ["SHOAL_RENDEZVOUS_PORT"]), key, timeout=10.0,
-                       connect_timeout=10.0)
+    client = _client.get("store")
+    if client is None:
+        key = secret_bytes(os.environ["SHOAL_SECRET"])
+        client = _client["store"] = StoreClient(
+            os.environ["SHOAL_RENDEZVOUS_ADDR"], int(os.environ["SHOAL_RENDEZVOUS_PORT"]), key,
+            timeout=10.0, connect_timeout=10.0)
+    return client
+
+
+def _drop_store() -> None:
+    client = _client.pop("store", None)
+    if client is not None:
+        with contextlib.suppress(Exception):
+            client.close()
 
 
 def _read_plan(store: Any) -> WorldPlan | None:
@@ -95,6 +109,9 @@ def _read_plan(store: Any) -> WorldPlan | None:
         data = store.get(WORLD_KEY, 0.5)
     except (ShoalTimeoutError, TimeoutError, KeyError):
         return None
+    except Exception:  # the connection broke: the next call connects again
+        _drop_store()
+        raise
     return WorldPlan.from_json(data) if data else None
 
 
@@ -123,18 +140,14 @@ def join_world(timeout: float | None = None) -> WorldPlan:
     wait = timeout if timeout is not None else float(
         os.environ.get("SHOAL_ELASTIC_TIMEOUT_S", "600"))
     deadline = time.monotonic() + wait
-    store = _store()
-    try:
-        while True:
-            plan = _read_plan(store)
-            if plan is not None and plan.version > _joined["version"] and me in plan.members:
-                break
-            if time.monotonic() > deadline:
-                raise ShoalTimeoutError(f"elastic worker {me}: no world named it within "
-                                        f"{wait:g}s (the driver dropped it?)")
-            time.sleep(0.05)
-    finally:
-        store.close()
+    while True:
+        plan = _read_plan(_store())
+        if plan is not None and plan.version > _joined["version"] and me in plan.members:
+            break
+        if time.monotonic() > deadline:
+            raise ShoalTimeoutError(f"elastic worker {me}: no world named it within "
+                                    f"{wait:g}s (the driver dropped it?)")
+        time.sleep(0.05)
     rank = plan.members.index(me)
     host = plan.hosts[rank]
     local = [i for i, h in enumerate(plan.hosts) if h == host]
@@ -156,11 +169,7 @@ def latest_plan() -> WorldPlan | None:
     """The newest world the driver has published (None outside an elastic job)."""
     if not os.environ.get(ELASTIC_ID_VAR):
         return None
-    store = _store()
-    try:
-        return _read_plan(store)
-    finally:
-        store.close()
+    return _read_plan(_store())
 
 
 class State:
@@ -192,10 +201,11 @@ class State:
     def check_host_updates(self) -> None:
         """Raise :class:`HostsUpdatedInterrupt` on every rank when the driver has published a
         newer world; all ranks agree (rank 0's view is broadcast)."""
-        plan = latest_plan()
         newer = None
-        if plan is not None and plan.version > _joined["version"]:
-            newer = (plan.version, plan.added)
+        if self._rank() == 0:  # rank 0 asks the driver; the others take its answer
+            plan = latest_plan()
+            if plan is not None and plan.version > _joined["version"]:
+                newer = (plan.version, plan.added)
         newer = self._bcast_object(newer)
         if newer is not None:
             raise HostsUpdatedInterrupt(skip_sync=not newer[1])

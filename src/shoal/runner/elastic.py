@@ -229,9 +229,8 @@ def _loop(d: _Driver, store: object) -> int:
             rc = m.worker.proc.poll()
             if rc is None:
                 continue
-            for t in m.worker.threads:
-                if t is not threading.current_thread() and t.name != "report":
-                    t.join(timeout=1.0)
+            for t in m.worker.threads:  # its last output lines, then forget it
+                t.join(timeout=1.0)
             del d.members[m.id]
             if rc == 0:
                 finished.append(m.id)

@@ -209,14 +209,18 @@ class DistributedOptimizer(Wrapper):
 
     # -- the hot path ----------------------------------------------------------------------
     def _on_grad(self, p: torch.nn.Parameter) -> None:
-        if self._bound_to is not default_communicator():  # shoal re-initialised: rebind
-            self._bind(check=False)
+        if not self._counts and self._bound_to is not default_communicator():
+            self._bind(check=False)  # shoal re-initialised since the last step: rebind
         count = self._counts.get(p, 0) + 1
         self._counts[p] = count
         if count == self._passes:
             if self._buckets is not None:
                 self._buckets.arrived(p)
         elif count > self._passes:
+            if self._bound_to is not default_communicator():  # a step cut short by a lost
+                self._counts.clear()                          # peer, then a re-init
+                self._on_grad(p)
+                return
             raise RuntimeError(f"gradient of {self._names[p]} was computed "
                                f"again before step(); call optimizer.step() (or "
                                f"synchronize()) between backward passes, or raise "
