@@ -83,6 +83,21 @@ def _postscale(dst: np.ndarray, factor: float,
     return then
 
 
+def _when_ready(ready: Callable[[], None] | None,
+                work: Callable[[], None]) -> Callable[[], None] | None:
+    """Run ``work``, which reads a request's input, once the input may be read: at once
+    when nothing is pending on it, else after ``ready`` on the thread that moves the data
+    (a device stage's copy to host is still in flight at submission)."""
+    if ready is None:
+        work()
+        return None
+
+    def both() -> None:
+        ready()
+        work()
+    return both
+
+
 class Collectives:
     """Collective operations over ``self.engine`` (provided by the communicator)."""
 
@@ -114,7 +129,8 @@ class Collectives:
                         name: str | None = None, out: np.ndarray | None = None,
                         compression: Codec = Compression.none, *, bf16: bool = False,
                         fused: bool = False, prescale_factor: float = 1.0,
-                        postscale_factor: float = 1.0, _wake: bool = True) -> Handle:
+                        postscale_factor: float = 1.0, ready: Callable[[], None] | None = None,
+                        _wake: bool = True) -> Handle:
         """Start combining ``array`` across ranks; returns a :class:`Handle` at once.
 
         ``prescale_factor`` multiplies the input before the reduction (in ``out``, so
@@ -124,17 +140,25 @@ class Collectives:
         over bfloat16 tensors when ``ml_dtypes`` is not installed). ``fused=True`` says the
         caller has fused its tensors already (a gradient bucket): the engine starts it at once
         instead of waiting ``cycle_time_ms`` for more requests to fuse it with.
+
+        ``ready`` (every ``_async`` collective takes it) is called, once, on the thread about
+        to read ``array``, before it does: a device stage passes a wait for its device-to-host
+        copy, so the caller's thread never waits for the device.
         """
         op = ReduceOp(op)
         name, dtype, desc, out, src, dst = self._allreduce_args(array, op, name, out,
                                                                 compression, bf16)
         if prescale_factor != 1.0:
-            if dst is not src and dst.ctypes.data != src.ctypes.data:
-                np.copyto(dst, src)
-            scale(dst, prescale_factor, dtype)
+            source = src
+
+            def prescale() -> None:
+                if dst is not source and dst.ctypes.data != source.ctypes.data:
+                    np.copyto(dst, source)
+                scale(dst, prescale_factor, dtype)
+            ready = _when_ready(ready, prescale)
             src = dst
         req = Request(Kind.ALLREDUCE, name, src, dst, dtype, desc, op=op, codec=compression,
-                      fused=fused)
+                      fused=fused, ready=ready)
         return self._chain(req, out, _wake, _postscale(dst, postscale_factor, dtype))
 
     def _allreduce_args(self, array: np.ndarray, op: ReduceOp, name: str | None,
@@ -181,7 +205,8 @@ class Collectives:
                                     _wake=False).wait()
 
     def _rows_request(self, kind: Kind, array: np.ndarray, name: str | None,
-                      extra_of: Callable[[str], Any]) -> Request:
+                      extra_of: Callable[[str], Any],
+                      ready: Callable[[], None] | None = None) -> Request:
         engine = self.engine
         name = self._auto_name(kind.value, name)
         dtype = check_array(array, f"{kind.value} tensor {name!r}", engine.rank)
@@ -191,15 +216,18 @@ class Collectives:
         trailing = tuple(array.shape[1:])
         desc = f"{kind.value} shape=(*, {', '.join(map(str, trailing))}) dtype={dtype}"
         return Request(kind, name, _storage(array, dtype), None, dtype, desc,
-                       extra=extra_of(name), trailing=trailing)
+                       extra=extra_of(name), trailing=trailing, ready=ready)
 
     def allgather_async(self, array: np.ndarray, name: str | None = None, *,
-                        out: np.ndarray | None = None, _wake: bool = True) -> Handle:
+                        out: np.ndarray | None = None,
+                        ready: Callable[[], None] | None = None,
+                        _wake: bool = True) -> Handle:
         """Start concatenating every rank's array along dimension 0 (lengths may differ).
         ``out`` (C-contiguous, the array's dtype and trailing shape, as many rows as all
         ranks together) receives the result in place of a new array; this rank's rows may
         already lie in it, where they belong."""
-        req = self._rows_request(Kind.ALLGATHER, array, name, lambda n: int(array.shape[0]))
+        req = self._rows_request(Kind.ALLGATHER, array, name, lambda n: int(array.shape[0]),
+                                 ready)
         if out is not None:
             if out.dtype != array.dtype or out.shape[1:] != array.shape[1:] or \
                     not out.flags.c_contiguous:
@@ -223,7 +251,8 @@ class Collectives:
         return self.alltoall_async(array, splits, name, _wake=False).wait()
 
     def alltoall_async(self, array: np.ndarray, splits: Any = None, name: str | None = None,
-                       *, _wake: bool = True) -> Handle:
+                       *, ready: Callable[[], None] | None = None,
+                       _wake: bool = True) -> Handle:
         """Start :meth:`alltoall`; the handle resolves to ``(data, received splits)``."""
         engine = self.engine
 
@@ -239,7 +268,7 @@ class Collectives:
                 raise ValueError(f"rank {engine.rank}: alltoall splits {got} for {name!r} must "
                                  f"be {n} non-negative counts summing to {rows}")
             return got
-        req = self._rows_request(Kind.ALLTOALL, array, name, check)
+        req = self._rows_request(Kind.ALLTOALL, array, name, check, ready)
 
         def then(result: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
             data, recv = result
@@ -247,6 +276,7 @@ class Collectives:
         return self._chain(req, None, _wake, then)
 
     def broadcast_async(self, array: np.ndarray, root_rank: int, name: str | None = None, *,
+                        ready: Callable[[], None] | None = None,
                         _wake: bool = True) -> Handle:
         """Start overwriting ``array`` with ``root_rank``'s values; returns a :class:`Handle`."""
         engine = self.engine
@@ -257,7 +287,8 @@ class Collectives:
                              f"communicator (size {engine.size})")
         flat = _storage(array, dtype)
         desc = f"broadcast shape={_shape(array)} dtype={dtype} root={root_rank}"
-        req = Request(Kind.BROADCAST, name, flat, flat, dtype, desc, root=root_rank)
+        req = Request(Kind.BROADCAST, name, flat, flat, dtype, desc, root=root_rank,
+                      ready=ready)
         return self._chain(req, array, _wake)
 
     def broadcast(self, array: np.ndarray, root_rank: int,
@@ -270,6 +301,7 @@ class Collectives:
                             name: str | None = None, *, bf16: bool = False,
                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                             splits: Any = None, out: np.ndarray | None = None,
+                            ready: Callable[[], None] | None = None,
                             _wake: bool = True) -> Handle:
         """Start :meth:`reducescatter`; the handle resolves to this rank's block.
         ``splits`` (rows per rank, the same on every rank) sets the blocks instead of
@@ -307,13 +339,19 @@ class Collectives:
                              f"be a C-contiguous {array.dtype} array of shape {shape}")
         src = _storage(array, dtype)
         if prescale_factor != 1.0:
-            src = src.copy()
-            scale(src, prescale_factor, dtype)
+            source, src = src, np.empty_like(src)
+            scaled = src
+
+            def prescale() -> None:
+                np.copyto(scaled, source)
+                scale(scaled, prescale_factor, dtype)
+            ready = _when_ready(ready, prescale)
         dst = _storage(out, dtype)
         desc = (f"reducescatter shape={_shape(array)} dtype={dtype} "
                 f"op={op.name.capitalize()}" + (f" splits={starts}" if splits is not None
                                                  else ""))
-        req = Request(Kind.REDUCESCATTER, name, src, dst, dtype, desc, op=op, extra=bounds)
+        req = Request(Kind.REDUCESCATTER, name, src, dst, dtype, desc, op=op, extra=bounds,
+                      ready=ready)
         return self._chain(req, out, _wake, _postscale(dst, postscale_factor, dtype))
 
     def reducescatter(self, array: np.ndarray, op: ReduceOp = ReduceOp.AVERAGE,

@@ -119,6 +119,14 @@ KNOBS: dict[str, Knob] = _knobs(
     Knob("name_cache_size", int, 4096, "collective names the engine remembers (least recently "
          "used ones are forgotten, by every rank alike)"),
     Knob("stall_shutdown_s", float, 0.0, "fail a stalled tensor after this long (0: never)"),
+    Knob("device_stage_cpu", _parse_bool, False, "stage CPU tensors through the torch "
+         "device stage's host stand-in as CUDA tensors are (separate host buffers, copies "
+         "deferred to the engine thread): gpu-check.sh --dry-run walks the GPU path with it"),
+    Knob("device_group", str, "auto", "auto | on | off: the intra-node device path (reduce-scatter "
+         "over torch's NCCL among a host's GPUs, the shards reduced across hosts on the CPUs, "
+         "then an NCCL allgather); auto takes it where each local rank has a GPU of its own"),
+    Knob("device_group_backend", str, "nccl", "torch backend of that intra-node group (gloo "
+         "stands in for NCCL on CPU machines)"),
     Knob("timeline", str, None, "write a Chrome-trace timeline to this path"),
     Knob("log_level", str, "WARNING", "logging level of the shoal loggers"),
 )

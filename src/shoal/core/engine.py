@@ -99,6 +99,7 @@ class Engine(SmallPath):
                     and req.out is not None):
                 # one rank: every op (and codec) leaves the input as it is, and a broadcast
                 # comes from this rank; no round to wait for
+                req.make_ready()
                 if req.out.ctypes.data != req.array.ctypes.data:
                     np.copyto(req.out, req.array)
                 alone = True
@@ -481,6 +482,8 @@ class Engine(SmallPath):
         what = f"allreduce of {first.name!r}" + (f" and {len(bucket) - 1} more fused"
                                                  if len(bucket) > 1 else "")
         phases: dict[str, float] | None = {} if self.timeline else None
+        for req in bucket:
+            req.make_ready()
         start = time.perf_counter()
         self.comm.allreduce([r.array for r in bucket], [r.out for r in bucket], first.op,
                             first.dtype, first.codec, what, phases)
@@ -498,6 +501,7 @@ class Engine(SmallPath):
 
     def _run_single(self, req: Request, extra: dict[int, Any], t0: float, t1: float) -> None:
         what = f"{req.kind.value} of {req.name!r}"
+        req.make_ready()
         start = time.perf_counter()
         comm = self.comm
         if req.kind is Kind.BROADCAST:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,6 +53,16 @@ class Request:
     warned: bool = False
     missing: tuple[int, ...] = ()
     fused: bool = False          # the caller fused it already (a bucket): no cycle wait
+    ready: Callable[[], None] | None = None  # waits until ``array`` may be read (see below)
+
+    def make_ready(self) -> None:
+        """Wait, on the thread that is about to read the input, until its producer has
+        finished writing it (a device stage's copy to host), once. The engine calls this
+        just before the data moves, never at submission, so the submitting thread (autograd)
+        never waits for it."""
+        ready, self.ready = self.ready, None
+        if ready is not None:
+            ready()
 
 
 def mismatch_message(what: str, descs: dict[int, str]) -> str:

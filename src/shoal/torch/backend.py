@@ -48,7 +48,7 @@ from shoal.core.communicator import Communicator, local_address
 from shoal.core.store import PrefixStore
 
 from .store import C10dStore
-from .tensors import Staged, stage
+from .tensors import Staged, copy_back, result_tensor, stage
 from .work import ShoalWork, _fill, _raw, _seconds
 
 __all__ = ["BACKEND", "ShoalProcessGroup", "ShoalWork", "register"]
@@ -161,7 +161,8 @@ class ShoalProcessGroup(dist.ProcessGroup):
             # started at once, not held back a cycle for fusion
             handles.append(self._comm.allreduce_async(st.array, sop, name=name, out=st.array,
                                                       bf16=st.bf16, fused=True,
-                                                      prescale_factor=prescale))
+                                                      prescale_factor=prescale,
+                                                      ready=st.ready))
         return slot, staged, handles
 
     def allreduce(self, tensors: list[torch.Tensor],
@@ -189,10 +190,11 @@ class ShoalProcessGroup(dist.ProcessGroup):
             t = tensor.coalesce()
             idx = t.indices().t().contiguous()
             vals = t.values().contiguous()
-            got_idx = self._comm.allgather(idx.numpy(), name=names[2 * i])
-            got_vals = self._comm.allgather(vals.numpy(), name=names[2 * i + 1])
-            total = torch.sparse_coo_tensor(torch.from_numpy(got_idx).t(),
-                                            torch.from_numpy(got_vals) * prescale,
+            st = stage(idx)
+            got_idx = result_tensor(self._gather_staged(st, names[2 * i]), idx, False)
+            st = stage(vals)
+            got_vals = result_tensor(self._gather_staged(st, names[2 * i + 1]), vals, st.bf16)
+            total = torch.sparse_coo_tensor(got_idx.t(), got_vals * prescale,
                                             t.size()).coalesce()
             if _OPS[kind] is shoal.Average:
                 total = total / self.size()
@@ -234,23 +236,22 @@ class ShoalProcessGroup(dist.ProcessGroup):
             def finish() -> list[torch.Tensor]:
                 for out, st, parts in zip(output_tensors, staged, input_tensors, strict=True):
                     start = sum(p.numel() for p in parts[:me])
-                    out.copy_(st.host.reshape(-1)[start:start + out.numel()].view(out.shape))
+                    copy_back(st.host.reshape(-1)[start:start + out.numel()], out)
                 return list(output_tensors)
             return self._work(slot, handles, finish, output_tensors)
         slot, names = self._names(len(flats))
-        handles, flags = [], []
-        for flat, name in zip(flats, names, strict=True):
+        handles, results = [], []
+        for flat, out, name in zip(flats, output_tensors, names, strict=True):
             st = stage(flat)
-            flags.append(st.bf16)
+            got = stage(out, fetch=False)  # an output only: this rank's block lands in it
+            results.append(got)
             handles.append(self._comm.reducescatter_async(
                 st.array.reshape(n, -1), _OPS[kind], name=name, bf16=st.bf16,
-                prescale_factor=prescale))
+                prescale_factor=prescale, out=got.array.reshape(1, -1), ready=st.ready))
 
         def scattered() -> list[torch.Tensor]:
-            for out, handle, bf16 in zip(output_tensors, handles, flags, strict=True):
-                block = torch.from_numpy(handle.wait().reshape(-1))
-                block = block.view(torch.bfloat16) if bf16 else block
-                out.copy_(block.view(out.shape))
+            for got in results:
+                got.finish()
             return list(output_tensors)
         return self._work(slot, handles, scattered, output_tensors)
 
@@ -281,7 +282,8 @@ class ShoalProcessGroup(dist.ProcessGroup):
         for tensor, name in zip(tensors, names, strict=True):
             st, raw = _raw(tensor)
             staged.append(st)
-            handles.append(self._comm.broadcast_async(raw, opts.rootRank, name=name))
+            handles.append(self._comm.broadcast_async(raw, opts.rootRank, name=name,
+                                                      ready=st.ready))
 
         def finish() -> list[torch.Tensor]:
             for st in staged:
@@ -359,7 +361,7 @@ class ShoalProcessGroup(dist.ProcessGroup):
         """Every rank's ``input_tensors[i]`` into ``output_tensors[i]`` (sizes may differ)."""
         _, names = self._names(len(input_tensors))
         for outs, tensor, name in zip(output_tensors, input_tensors, names, strict=True):
-            _fill(outs, self._comm.allgather(_raw(tensor)[1], name=name))
+            _fill(outs, self._gather(tensor, name))
         return self._done(list(output_tensors), [t for o in output_tensors for t in o])
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
@@ -372,7 +374,7 @@ class ShoalProcessGroup(dist.ProcessGroup):
         """:meth:`all_gather_single` for several pairs of tensors."""
         _, names = self._names(len(inputs))
         for out, inp, name in zip(outputs, inputs, names, strict=True):
-            _fill([out], self._comm.allgather(_raw(inp)[1], name=name))
+            _fill([out], self._gather(inp, name))
         return self._done(list(outputs), outputs)
 
     def allgather_coalesced(self, output_lists: list[_Tensors], input_tensors: _Tensors,
@@ -386,10 +388,23 @@ class ShoalProcessGroup(dist.ProcessGroup):
     _allgather_base = all_gather_single
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
-    def _exchange(self, data: np.ndarray, splits: list[int]) -> np.ndarray:
+    def _gather(self, tensor: torch.Tensor, name: str) -> np.ndarray:
+        """Every rank's ``tensor`` as bytes, concatenated (host memory)."""
+        st, raw = _raw(tensor)
+        return self._gather_staged(st, name, raw)
+
+    def _gather_staged(self, st: Staged, name: str, raw: np.ndarray | None = None
+                       ) -> np.ndarray:
+        """Every rank's staged array (or its bytes ``raw``), concatenated along dim 0."""
+        return self._comm.allgather_async(st.array if raw is None else raw, name=name,
+                                          ready=st.ready, _wake=False).wait()
+
+    def _exchange(self, data: np.ndarray, splits: list[int],
+                  ready: Callable[[], None] | None = None) -> np.ndarray:
         """Send ``splits[r]`` consecutive bytes of ``data`` to rank ``r``; bytes received."""
         _, (name,) = self._names(1)
-        return self._comm.alltoall(data, splits, name=name)[0]
+        return self._comm.alltoall_async(data, splits, name=name, ready=ready,
+                                         _wake=False).wait()[0]
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
                           output_split_sizes: list[int], input_split_sizes: list[int],
@@ -403,7 +418,8 @@ class ShoalProcessGroup(dist.ProcessGroup):
                 raise ValueError(f"rank {self.rank()}: all_to_all_single input has {rows} rows, "
                                  f"not divisible by {n} ranks; pass input_split_sizes")
             input_split_sizes = [rows // n] * n
-        got = self._exchange(_raw(input)[1], [int(s) * row_bytes for s in input_split_sizes])
+        st, raw = _raw(input)
+        got = self._exchange(raw, [int(s) * row_bytes for s in input_split_sizes], st.ready)
         if output_split_sizes and sum(output_split_sizes) * row_bytes != got.nbytes:
             raise ValueError(f"rank {self.rank()}: output_split_sizes {output_split_sizes} do "
                              f"not match the {got.nbytes // max(row_bytes, 1)} rows received")
@@ -415,7 +431,7 @@ class ShoalProcessGroup(dist.ProcessGroup):
     def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
                  opts: c10d.AllToAllOptions = c10d.AllToAllOptions()) -> ShoalWork:  # noqa: B008
         """``input_tensors[r]`` to rank ``r``; ``output_tensors[r]`` from rank ``r``."""
-        raws = [_raw(t)[1] for t in input_tensors]
+        raws = _ready_bytes(input_tensors)
         got = self._exchange(np.concatenate(raws) if raws else np.empty(0, np.uint8),
                              [r.nbytes for r in raws])
         _fill(output_tensors, got)
@@ -425,9 +441,9 @@ class ShoalProcessGroup(dist.ProcessGroup):
                input_tensors: list[torch.Tensor],
                opts: c10d.GatherOptions = c10d.GatherOptions()) -> ShoalWork:  # noqa: B008
         """Every rank's ``input_tensors[0]`` into ``output_tensors[0]`` on ``opts.rootRank``."""
-        raw = _raw(input_tensors[0])[1]
+        st, raw = _raw(input_tensors[0])
         splits = [raw.nbytes if r == opts.rootRank else 0 for r in range(self.size())]
-        got = self._exchange(raw, splits)
+        got = self._exchange(raw, splits, st.ready)
         outs = output_tensors[0] if self.rank() == opts.rootRank else []
         _fill(outs, got)
         return self._done(list(output_tensors), outs)
@@ -437,7 +453,7 @@ class ShoalProcessGroup(dist.ProcessGroup):
                 opts: c10d.ScatterOptions = c10d.ScatterOptions()) -> ShoalWork:  # noqa: B008
         """``input_tensors[0][r]`` on ``opts.rootRank`` into ``output_tensors[0]`` on rank r."""
         if self.rank() == opts.rootRank:
-            raws = [_raw(t)[1] for t in input_tensors[0]]
+            raws = _ready_bytes(input_tensors[0])
             data, splits = np.concatenate(raws), [r.nbytes for r in raws]
         else:
             data, splits = np.empty(0, np.uint8), [0] * self.size()
@@ -450,6 +466,8 @@ class ShoalProcessGroup(dist.ProcessGroup):
         the same tag)."""
         (tensor,) = tensors
         st, raw = _raw(tensor)
+        if st.ready is not None:  # point-to-point sends read at once: the copy must be done
+            st.ready()
         handle = self._comm.send(raw, dst, tag)
         return self._p2p_work(handle, lambda: [st.tensor], tensor)
 
@@ -463,7 +481,7 @@ class ShoalProcessGroup(dist.ProcessGroup):
 
     def _recv(self, tensors: list[torch.Tensor], src: int | None, tag: int) -> ShoalWork:
         (tensor,) = tensors
-        st, raw = _raw(tensor)
+        st, raw = _raw(tensor, fetch=False)
         handle = self._comm.recv(raw, src, tag)
 
         def finish() -> list[torch.Tensor]:
@@ -476,6 +494,17 @@ class ShoalProcessGroup(dist.ProcessGroup):
         work = ShoalWork([handle], finish, [tensor.device], self._timeout)
         work.source_rank = lambda: handle.source  # type: ignore[attr-defined]
         return work
+
+
+def _ready_bytes(tensors: Sequence[torch.Tensor]) -> list[np.ndarray]:
+    """The bytes of each tensor in host memory, waited for (they are concatenated at once)."""
+    raws = []
+    for t in tensors:
+        st, raw = _raw(t)
+        if st.ready is not None:
+            st.ready()
+        raws.append(raw)
+    return raws
 
 
 def _advertised_host(store: Any) -> str:

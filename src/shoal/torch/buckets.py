@@ -26,6 +26,7 @@ from shoal.core.process_sets import communicator_for
 
 from .compression import user_compressor as _user_compressor
 from .compression import wire_codec
+from .device.group import GroupReduction, device_group_for
 from .ops import sparse_allreduce_async
 from .tensors import Staged, stage
 
@@ -63,11 +64,13 @@ class _Bucket:
     params: list[torch.nn.Parameter]
     offsets: list[int]
     flat: torch.Tensor
+    padded: torch.Tensor                            # ``flat`` at its head, padded for a
+    #                                                 device group's shards (else ``flat``)
     views: list[torch.Tensor]                       # each parameter's slice, in its shape
     marks: set[int] = field(default_factory=set)    # which gradients have arrived this step
-    handle: Handle | None = None
+    handle: Handle | GroupReduction | None = None
     ctx: Any = None                                 # a user compressor's context
-    staged: Staged | None = None
+    staged: Staged | GroupReduction | None = None   # this step's, lends buffers to the next
 
 
 class Buckets:
@@ -92,6 +95,9 @@ class Buckets:
         self._generation = 0
         self._arrival: list[int] | None = []   # first step's order; None once settled
         self._index = {p: i for i, p in enumerate(self._params)}
+        devices = [p.device for p in self._params if p.device.type != "cpu"]
+        self._group = device_group_for(self._comm, devices[0] if devices else
+                                       torch.device("cpu"))
         self._build(list(reversed(range(len(self._params)))))
 
     # -- layout ----------------------------------------------------------------------------
@@ -121,10 +127,14 @@ class Buckets:
             for p in ps:
                 offsets.append(total)
                 total += p.numel()
-            flat = torch.zeros(total, dtype=ps[0].dtype, device=ps[0].device)
+            grouped = self._group is not None
+            padded = torch.zeros(self._group.padded_numel(total) if grouped else total,
+                                 dtype=ps[0].dtype, device=ps[0].device)
+            flat = padded[:total] if grouped else padded
             views = [flat[o:o + p.numel()].view(p.shape) for o, p in zip(offsets, ps,
                                                                           strict=True)]
-            b = _Bucket(f"grad.bucket.g{self._generation}.{k}", ps, offsets, flat, views)
+            b = _Bucket(f"grad.bucket.g{self._generation}.{k}", ps, offsets, flat, padded,
+                        views)
             self._buckets.append(b)
             for j, p in enumerate(ps):
                 self._where[p] = (b, j)
@@ -165,17 +175,26 @@ class Buckets:
             self._submit(b)
 
     def _submit(self, b: _Bucket) -> None:
+        op, prescale = self._op, 1.0
+        if self._predivide != 1.0:
+            op, prescale = ReduceOp.SUM, 1.0 / self._predivide
+        if b.padded is not b.flat and self._user is None and \
+                op in (ReduceOp.SUM, ReduceOp.AVERAGE):
+            # SMDDP's shape: reduce-scatter among the host's GPUs, the shard across hosts
+            assert self._group is not None
+            if prescale != 1.0:
+                b.flat.mul_(prescale)
+            b.handle = b.staged = self._group.allreduce_async(
+                b.flat, op, b.name, self._compression, padded=b.padded, reuse=b.staged)
+            return
         if self._user is not None:  # a user's compressor: around the reduction, as Horovod
             squeezed, b.ctx = self._user.compress(b.flat)
-            s = stage(squeezed, copy=squeezed.data_ptr() == b.flat.data_ptr())
+            s = stage(squeezed, copy=squeezed.data_ptr() == b.flat.data_ptr(), reuse=b.staged)
         else:
-            s = stage(b.flat)
-        op = self._op
-        if self._predivide != 1.0:
-            s.host.mul_(1.0 / self._predivide)
-            op = ReduceOp.SUM
+            s = stage(b.flat, reuse=b.staged)
         b.handle = self._comm.allreduce_async(s.array, op=op, name=b.name, out=s.array,
-                                              compression=self._compression, bf16=s.bf16)
+                                              compression=self._compression, bf16=s.bf16,
+                                              prescale_factor=prescale, ready=s.ready)
         b.staged = s
 
     def finish(self) -> None:

@@ -20,7 +20,7 @@ from shoal.core.collectives import Handle
 from shoal.core.ops import ReduceOp, resolve_op
 
 from .compression import Compression, wire_codec
-from .tensors import Staged, stage
+from .tensors import Staged, result_tensor, stage
 
 __all__ = [
     "Adasum", "Average", "Max", "Min", "Product", "ReduceOp", "Sum", "TorchHandle",
@@ -55,11 +55,11 @@ class TorchHandle:
         return self._result
 
 
-def _tensor(array: np.ndarray, like: torch.Tensor, bf16: bool) -> torch.Tensor:
-    out = torch.from_numpy(np.ascontiguousarray(array))
-    if bf16:
-        out = out.view(torch.bfloat16)
-    return out.to(like.device) if like.is_cuda else out
+def _results(results: list[np.ndarray], tensors: Sequence[torch.Tensor],
+             staged: Sequence[Staged], grouped: bool) -> Any:
+    """New result arrays from the core as tensors on their inputs' devices."""
+    out = [result_tensor(r, t, s.bf16) for r, t, s in zip(results, tensors, staged, strict=True)]
+    return out if grouped else out[0]
 
 
 def _parts(name: str | None, count: int) -> list[str | None]:
@@ -79,7 +79,7 @@ def _allreduce_async(tensors: Sequence[torch.Tensor], inplace: bool, name: str |
         s = stage(t, copy=not inplace)
         handles.append(comm.allreduce_async(s.array, op, part, out=s.array, compression=codec,
                                             bf16=s.bf16, prescale_factor=prescale,
-                                            postscale_factor=postscale))
+                                            postscale_factor=postscale, ready=s.ready))
         staged.append(s)
 
     def finish(_: list[Any]) -> Any:
@@ -155,13 +155,10 @@ def _allgather_async(tensors: Sequence[torch.Tensor], name: str | None, process_
         if t.dim() == 0:
             raise ValueError(f"rank {comm.rank}: allgather of a scalar tensor; reshape it "
                              f"to (1,)")
-    handles = [comm.allgather_async(s.array, part) for s, part in
+    handles = [comm.allgather_async(s.array, part, ready=s.ready) for s, part in
                zip(staged, _parts(name, len(tensors)) if grouped else [name], strict=True)]
 
-    def finish(results: list[np.ndarray]) -> Any:
-        out = [_tensor(r, t, s.bf16) for r, t, s in zip(results, tensors, staged, strict=True)]
-        return out if grouped else out[0]
-    return TorchHandle(handles, finish)
+    return TorchHandle(handles, lambda results: _results(results, tensors, staged, grouped))
 
 
 def allgather_async(tensor: torch.Tensor, name: str | None = None,
@@ -183,7 +180,8 @@ def _broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None, pro
     root = ps_.global_process_set.local_rank_of(root_rank) if process_set is None else \
         process_set.local_rank_of(root_rank)
     s = stage(tensor, copy=not inplace)
-    return TorchHandle([comm.broadcast_async(s.array, root, name)], lambda _: s.finish())
+    return TorchHandle([comm.broadcast_async(s.array, root, name, ready=s.ready)],
+                       lambda _: s.finish())
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
@@ -214,8 +212,8 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = 
 
     def finish(results: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
         data, recv = results[0]
-        return _tensor(data, tensor, s.bf16), torch.from_numpy(recv.astype(np.int32))
-    return TorchHandle([comm.alltoall_async(s.array, splits, name)], finish)
+        return result_tensor(data, tensor, s.bf16), torch.from_numpy(recv.astype(np.int32))
+    return TorchHandle([comm.alltoall_async(s.array, splits, name, ready=s.ready)], finish)
 
 
 def _reducescatter_async(tensors: Sequence[torch.Tensor], name: str | None, op: ReduceOp,
@@ -224,14 +222,11 @@ def _reducescatter_async(tensors: Sequence[torch.Tensor], name: str | None, op: 
     comm = ps_.communicator_for(process_set)
     staged = [stage(t) for t in tensors]
     handles = [comm.reducescatter_async(s.array, op, part, bf16=s.bf16, prescale_factor=prescale,
-                                        postscale_factor=postscale)
+                                        postscale_factor=postscale, ready=s.ready)
                for s, part in zip(staged, _parts(name, len(tensors)) if grouped else [name],
                                   strict=True)]
 
-    def finish(results: list[np.ndarray]) -> Any:
-        out = [_tensor(r, t, s.bf16) for r, t, s in zip(results, tensors, staged, strict=True)]
-        return out if grouped else out[0]
-    return TorchHandle(handles, finish)
+    return TorchHandle(handles, lambda results: _results(results, tensors, staged, grouped))
 
 
 def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: ReduceOp = Average,

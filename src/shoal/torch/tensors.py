@@ -3,59 +3,130 @@
 A CPU tensor that is contiguous is handed to the core as a numpy *view* of its own memory, so
 reductions write straight into it. bfloat16 tensors travel as their 16-bit words (flagged, so
 the core widens them to float32 for arithmetic). Non-contiguous tensors go through a contiguous
-copy that is written back. CUDA tensors are staged through pinned host memory and reduced on
-the CPU (the SMDDP design: the GPU keeps computing meanwhile), then copied back.
+copy that is written back.
+
+Tensors on a device (CUDA) go through the device stage, :mod:`shoal.torch.device`: a pinned
+host buffer filled on a copy stream after an event of the producing stream, a ``ready`` wait
+that shoal's engine thread (never the caller's) runs before reading it, and a copy back that
+the consumer stream waits on (the SMDDP design: the GPU keeps computing meanwhile). This
+module is the one place that tells the two apart; callers see :class:`Staged` either way.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
-__all__ = ["Staged", "stage"]
+__all__ = ["Staged", "copy_back", "fill_bytes", "numpy_of", "result_tensor", "set_stand_in",
+           "stage", "stand_in"]
 
 
-@dataclass
 class Staged:
-    """A tensor's host-side numpy view, and how to put results back into the tensor."""
+    """A tensor's host-side numpy view, and how to put results back into the tensor.
 
-    tensor: torch.Tensor   # the caller's tensor
-    host: torch.Tensor     # contiguous CPU tensor the core works on (may be ``tensor``)
-    array: np.ndarray      # numpy view of ``host``
-    bf16: bool             # ``array`` holds bfloat16 words
+    ``ready`` is None for host memory; for a staged device tensor it waits until the host
+    copy is complete: pass it as ``ready=`` to the core's collectives."""
+
+    __slots__ = ("array", "bf16", "host", "ready", "tensor")
+
+    def __init__(self, tensor: torch.Tensor, host: torch.Tensor, array: np.ndarray,
+                 bf16: bool) -> None:
+        self.tensor = tensor   # the caller's tensor (or the new result tensor)
+        self.host = host       # contiguous CPU tensor the core works on (may be ``tensor``)
+        self.array = array     # numpy view of ``host``
+        self.bf16 = bf16       # ``array`` holds bfloat16 words
+        self.ready: Callable[[], None] | None = None
 
     def finish(self) -> torch.Tensor:
         """Copy the host result back into the caller's tensor if it was staged; return it."""
         if self.host is not self.tensor:
-            self.tensor.copy_(self.host, non_blocking=self.tensor.is_cuda)
+            self.tensor.copy_(self.host)
         return self.tensor
 
 
-def _numpy(host: torch.Tensor) -> tuple[np.ndarray, bool]:
+def numpy_of(host: torch.Tensor) -> tuple[np.ndarray, bool]:
+    """The numpy view of a CPU tensor, and whether it holds bfloat16 words."""
     if host.dtype == torch.bfloat16:
         return host.view(torch.int16).numpy().view(np.uint16), True
     return host.numpy(), False
 
 
-def stage(tensor: torch.Tensor, *, copy: bool = False) -> Staged:
-    """Prepare ``tensor`` for the core. ``copy=True`` works on a copy (out-of-place ops)."""
+_STAND_IN: bool | None = None
+
+
+def stand_in() -> bool:
+    """Whether CPU tensors go through the device stage too (``SHOAL_DEVICE_STAGE_CPU``: the
+    stand-in that walks the device path without a GPU; read once per process)."""
+    global _STAND_IN
+    if _STAND_IN is None:
+        from shoal.core import config
+        _STAND_IN = bool(config.load().device_stage_cpu)
+    return _STAND_IN
+
+
+def set_stand_in(on: bool | None) -> None:
+    """Switch the stand-in on or off in this process (None: read the setting again)."""
+    global _STAND_IN
+    _STAND_IN = on
+
+
+def _staged_on_device(t: torch.Tensor) -> bool:
+    return t.device.type != "cpu" or (_STAND_IN if _STAND_IN is not None else stand_in())
+
+
+def stage(tensor: torch.Tensor, *, copy: bool = False, reuse: Staged | None = None,
+          fetch: bool = True) -> Staged:
+    """Prepare ``tensor`` for the core. ``copy=True`` works on a copy (out-of-place ops).
+
+    ``reuse``: an earlier :class:`Staged` of a tensor of the same shape and dtype whose host
+    buffer may be used again (a gradient bucket's). ``fetch=False``: the host buffer is an
+    output only, its contents need not be copied from the tensor."""
     t = tensor.detach()
-    if t.is_cuda:
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        done = torch.cuda.Event()
-        host.copy_(t, non_blocking=True)
-        done.record()
-        done.synchronize()  # waits for this copy only, not for the whole device
-    elif copy or not t.is_contiguous():
+    if _staged_on_device(t):
+        from .device import staging
+        return staging.stage(tensor, copy=copy, reuse=reuse, fetch=fetch)
+    if copy or not t.is_contiguous():
         host = t.contiguous().clone() if copy else t.contiguous()
     else:
         host = t
-    array, bf16 = _numpy(host)
-    if copy:  # the result is a new tensor on the caller's device
-        target = torch.empty_like(tensor, memory_format=torch.contiguous_format) \
-            if t.is_cuda else host
+    array, bf16 = numpy_of(host)
+    return Staged(host if copy else tensor, host, array, bf16)
+
+
+def result_tensor(array: np.ndarray, like: torch.Tensor, bf16: bool) -> torch.Tensor:
+    """A result array the core allocated, as a tensor on ``like``'s device."""
+    if _staged_on_device(like):
+        from .device.staging import upload
+        return upload(array, like, bf16)
+    out = torch.from_numpy(np.ascontiguousarray(array))
+    return out.view(torch.bfloat16) if bf16 else out
+
+
+def copy_back(host: torch.Tensor, out: torch.Tensor) -> None:
+    """Copy ``host`` (a staged host buffer, or a slice of one) into ``out``; on a device the
+    copy runs on the copy stream and the consumer stream waits on it."""
+    if _staged_on_device(out):
+        from .device.streams import lane_for
+        lane_for(out.device).upload(host, out)
     else:
-        target = tensor
-    return Staged(target, host, array, bf16)
+        out.copy_(host.view(out.shape))
+
+
+def fill_bytes(outs: Sequence[torch.Tensor], raw: np.ndarray) -> None:
+    """Copy consecutive byte ranges of ``raw`` into ``outs`` (any device, any layout)."""
+    sizes = [o.numel() * o.element_size() for o in outs]
+    if sum(sizes) != raw.nbytes:
+        raise ValueError(f"received {raw.nbytes} bytes for outputs of "
+                         f"{sum(sizes)}; output sizes must match what the other ranks send")
+    for out, end, n in zip(outs, np.cumsum(sizes), sizes, strict=True):
+        if not n:
+            continue
+        data = raw[end - n:end]
+        if _staged_on_device(out):
+            from .device.staging import upload_into
+            upload_into(out, data)
+        else:
+            out.copy_(torch.from_numpy(np.ascontiguousarray(data)).view(out.dtype)
+                      .view(out.shape))

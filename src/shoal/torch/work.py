@@ -18,7 +18,8 @@ import torch.distributed as dist
 import shoal
 from shoal.core.errors import ShoalTimeoutError
 
-from .tensors import Staged, stage
+from .device.staging import consumer_context
+from .tensors import Staged, fill_bytes, stage
 
 __all__ = ["ShoalWork"]
 
@@ -42,22 +43,15 @@ def _seconds(timeout: Any) -> float | None:
     return None if timeout is None or timeout <= 0 else float(timeout)
 
 
-def _raw(tensor: torch.Tensor) -> tuple[Staged, np.ndarray]:
-    """``tensor`` staged on the host, and its flat bytes (moved as-is: any dtype works)."""
-    st = stage(tensor)
+def _raw(tensor: torch.Tensor, fetch: bool = True) -> tuple[Staged, np.ndarray]:
+    """``tensor`` staged on the host, and its flat bytes (moved as-is: any dtype works); the
+    staged tensor's ``ready`` must be passed along with the bytes. ``fetch=False``: an
+    output buffer only."""
+    st = stage(tensor, fetch=fetch)
     return st, st.host.reshape(-1).view(torch.uint8).numpy()
 
 
-def _fill(outs: Sequence[torch.Tensor], raw: np.ndarray) -> None:
-    """Copy consecutive byte ranges of ``raw`` into ``outs`` (any device, any layout)."""
-    sizes = [o.numel() * o.element_size() for o in outs]
-    if sum(sizes) != raw.nbytes:
-        raise ValueError(f"received {raw.nbytes} bytes for outputs of "
-                         f"{sum(sizes)}; output sizes must match what the other ranks send")
-    for out, end, n in zip(outs, np.cumsum(sizes), sizes, strict=True):
-        if n:
-            data = np.ascontiguousarray(raw[end - n:end])
-            out.copy_(torch.from_numpy(data).view(out.dtype).view(out.shape))
+_fill = fill_bytes
 
 
 def _timed_out(secs: float | None) -> str:
@@ -77,6 +71,7 @@ class ShoalWork(dist.Work):
                  devices: Sequence[torch.device] = (), timeout: float | None = None) -> None:
         super().__init__()
         cuda = sorted({str(d) for d in devices if d.type == "cuda"})
+        self._devices = [torch.device(d) for d in cuda]
         self._future: torch.futures.Future = torch.futures.Future(devices=cuda or None)
         self._handles = list(handles)
         self._finish = finish
@@ -103,19 +98,23 @@ class ShoalWork(dist.Work):
             _completions().submit(self._complete)
 
     def _complete(self) -> None:
-        try:
-            for handle in self._handles:
-                exc = handle.exception()
-                if exc is not None:
-                    raise exc
-            value = self._finish()
-        except BaseException as exc:  # delivered through wait() and the future
-            self._error = exc
-            self._future.set_exception(exc)
-        else:
-            self._future.set_result(value)
-        finally:
-            self._done.set()
+        # on a GPU the copies back run on the device's copy stream, and the future records
+        # its completion event there: whoever waits on the future (DDP, wait()) makes its own
+        # stream wait on that event, and no host thread waits for the device
+        with consumer_context(self._devices):
+            try:
+                for handle in self._handles:
+                    exc = handle.exception()
+                    if exc is not None:
+                        raise exc
+                value = self._finish()
+            except BaseException as exc:  # delivered through wait() and the future
+                self._error = exc
+                self._future.set_exception(exc)
+            else:
+                self._future.set_result(value)
+            finally:
+                self._done.set()
 
     def handles_done(self, timeout: float | None = None) -> None:
         """Wait until shoal has finished this work's collectives (results not yet copied)."""
@@ -139,6 +138,8 @@ class ShoalWork(dist.Work):
             raise ShoalTimeoutError(_timed_out(secs))
         if self._error is not None:
             raise self._error
+        if self._devices:  # the caller's current stream waits on the copies back
+            self._future.wait()
         return True
 
     def _source_rank(self) -> int:
