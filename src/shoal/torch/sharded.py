@@ -36,7 +36,7 @@ from shoal.core.process_sets import communicator_for
 
 from .buckets import auto_bucket_bytes
 from .optimizer import Wrapper, adopt
-from .tensors import stage
+from .tensors import reduce_now, stage
 
 __all__ = ["ShardedOptimizer"]
 
@@ -66,7 +66,9 @@ class _Shard:
         self.owned = [j for j in range(len(params)) if bucket.owner(j) == rank]
         self.marks: set[int] = set()
         self.handle: Any = None
-        self.staged: Any = None
+        self.source: Any = None     # the staged gradient bucket (its buffer is reused)
+        self.staged: Any = None     # the staged reduced shard (an output)
+        self.params_staged: Any = None  # the staged parameter bucket (allgathered)
 
 
 class ShardedOptimizer(Wrapper):
@@ -104,11 +106,12 @@ class ShardedOptimizer(Wrapper):
                 {p.device.type for p in trained}, comm.world.local_size,
                 torch.get_num_threads(), len(os.sched_getaffinity(0)),
                 comm.cfg.fusion_threshold)
+        self._name = f"shard{next(_ids)}"
         plan = sharding.plan([p.numel() for p in trained],
                              [(p.device, p.dtype) for p in trained],
                              [p.element_size() for p in trained],
                              list(reversed(range(len(trained)))), bucket_bytes, n,
-                             f"shard{next(_ids)}")
+                             self._name)
         self._shards = [_Shard(b, [trained[i] for i in b.tensors], rank) for b in plan]
         self._where = {p: (s, j) for s in self._shards for j, p in enumerate(s.params)}
         mine = {s.params[j] for s in self._shards for j in s.owned}
@@ -143,11 +146,11 @@ class ShardedOptimizer(Wrapper):
             self._reduce(shard)
 
     def _reduce(self, shard: _Shard) -> None:
-        src = stage(shard.grad)
-        shard.staged = stage(shard.reduced)
+        src = shard.source = stage(shard.grad, reuse=shard.source)
+        shard.staged = stage(shard.reduced, reuse=shard.staged, fetch=False)
         shard.handle = self._comm.reducescatter_async(
             src.array, op=self.op, name=f"{shard.plan.name}.grad", bf16=src.bf16,
-            splits=shard.plan.splits, out=shard.staged.array)
+            splits=shard.plan.splits, out=shard.staged.array, ready=src.ready)
 
     def synchronize(self) -> None:
         """Wait for every bucket's reduce-scatter (a parameter backward did not reach is
@@ -174,6 +177,7 @@ class ShardedOptimizer(Wrapper):
                 shard.marks.clear()
         if error is not None:
             raise error
+        self._share_overflow()
         for shard in self._shards:
             for j, p in enumerate(shard.params):
                 if j in shard.owned:
@@ -182,6 +186,26 @@ class ShardedOptimizer(Wrapper):
                 else:
                     p.grad = None
         self._synchronized = True
+
+    def _share_overflow(self) -> None:
+        """Make a non-finite reduced gradient seen by every rank, not only its shard's
+        owner, so that each rank's ``GradScaler`` skips the same steps and keeps the same
+        scale (the scaler checks only the gradients its optimizer holds). Every rank
+        counts the non-finite values of its shards (on their device), the counts are
+        summed, and where the sum is not zero each shard's first value becomes NaN. Device
+        operations only: the count travels through the device stage, no host wait."""
+        owned = [s.reduced for s in self._shards if s.reduced.numel()]
+        if not owned:
+            return
+        device = owned[0].device
+        bad = torch.zeros(1, dtype=torch.float32, device=device)
+        for reduced in owned:
+            bad += (~torch.isfinite(reduced)).sum().to(device=device, dtype=torch.float32)
+        flag = stage(bad)
+        reduce_now(self._comm, flag, ReduceOp.SUM, f"{self._name}.overflow")
+        poison = torch.where(flag.finish() > 0, float("nan"), 0.0)
+        for reduced in owned:
+            reduced[:1].add_(poison.to(reduced.dtype))
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
@@ -232,10 +256,10 @@ class ShardedOptimizer(Wrapper):
         self._inner.step()
         handles = []
         for shard in self._shards:
-            staged = stage(shard.flat)
+            staged = shard.params_staged = stage(shard.flat, reuse=shard.params_staged)
             handles.append((staged, self._comm.allgather_async(
                 staged.array[shard.lo:shard.hi], name=f"{shard.plan.name}.param",
-                out=staged.array)))
+                out=staged.array, ready=staged.ready)))
         for staged, handle in handles:
             handle.wait()
             staged.finish()

@@ -17,18 +17,21 @@ import torch
 from torch import nn
 
 import shoal
+from shoal.core.process_sets import communicator_for
 
-from .tensors import stage
+from .tensors import reduce_now, stage
 
 __all__ = ["SyncBatchNorm", "convert_sync_batchnorm"]
 
 _ids = itertools.count()
 
 
-def _allreduce_sum(t: torch.Tensor, name: str) -> torch.Tensor:
+def _allreduce_sum(t: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sum over ranks of ``t``, on ``t``'s device, and its host copy (read it instead of
+    the device tensor: no device sync). On a GPU this is the layer's one host wait."""
     s = stage(t, copy=True)
-    shoal.allreduce(s.array, op=shoal.Sum, name=name, out=s.array)
-    return s.finish()
+    reduce_now(communicator_for(None), s, shoal.Sum, name)
+    return s.finish(), s.host
 
 
 class _SyncBN(torch.autograd.Function):
@@ -46,9 +49,9 @@ class _SyncBN(torch.autograd.Function):
         xf = x if x.dtype in (torch.float32, torch.float64) else x.float()
         n_local = x.numel() / max(c, 1)
         # (var_mean is one pass, but 12x slower than these two on CPU, measured)
-        local = torch.cat([torch.tensor([n_local], dtype=torch.float64, device=x.device),
+        local = torch.cat([torch.full((1,), n_local, dtype=torch.float64, device=x.device),
                            xf.sum(dims).double(), (xf * xf).sum(dims).double()])
-        total = _allreduce_sum(local, f"{name}.fwd")
+        total, on_host = _allreduce_sum(local, f"{name}.fwd")
         count, s, sq = total[0], total[1:1 + c], total[1 + c:]
         mean = s / count
         var = (sq / count - mean * mean).clamp_min(0)
@@ -58,9 +61,10 @@ class _SyncBN(torch.autograd.Function):
             xf, mean_x, var.to(xf.dtype), None if weight is None else
             weight.to(xf.dtype), None if bias is None else bias.to(xf.dtype), False, 0.0, eps)
         ctx.save_for_backward(xf, mean_x, invstd.to(xf.dtype), weight)
-        ctx.count = float(count)
+        ctx.count = float(on_host[0])  # the host copy: no device sync
         ctx.name = name
-        unbiased = var * count / max(count - 1, 1)
+        n = ctx.count
+        unbiased = var * (n / max(n - 1.0, 1.0))
         return out.to(x.dtype), mean, unbiased
 
     @staticmethod
@@ -72,7 +76,7 @@ class _SyncBN(torch.autograd.Function):
         sum_g = g.sum(dims)
         # sum(g * xhat) = invstd * (sum(g * x) - mean * sum(g)): no xhat tensor
         sum_gxhat = invstd * ((g * xf).sum(dims) - mean * sum_g)
-        total = _allreduce_sum(torch.cat([sum_g, sum_gxhat]).double(), f"{ctx.name}.bwd")
+        total, _ = _allreduce_sum(torch.cat([sum_g, sum_gxhat]).double(), f"{ctx.name}.bwd")
         c = xf.shape[1]
         n = ctx.count
         a, b = (total[:c] / n).to(xf.dtype), (total[c:] / n).to(xf.dtype)

@@ -15,12 +15,13 @@ module is the one place that tells the two apart; callers see :class:`Staged` ei
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["Staged", "copy_back", "fill_bytes", "numpy_of", "result_tensor", "set_stand_in",
-           "stage", "stand_in"]
+__all__ = ["Staged", "copy_back", "fill_bytes", "numpy_of", "reduce_now", "result_tensor",
+           "set_stand_in", "stage", "stand_in"]
 
 
 class Staged:
@@ -93,6 +94,16 @@ def stage(tensor: torch.Tensor, *, copy: bool = False, reuse: Staged | None = No
         host = t
     array, bf16 = numpy_of(host)
     return Staged(host if copy else tensor, host, array, bf16)
+
+
+def reduce_now(comm: Any, staged: Staged, op: Any, name: str) -> np.ndarray:
+    """Reduce ``staged``'s host buffer in place across ``comm`` and wait, for a caller that
+    needs the values now (SyncBatchNorm's statistics): this thread waits for a device
+    tensor's copy to the host (the one wait such a caller cannot avoid), then a small
+    message takes the one-round path."""
+    if staged.ready is not None:
+        staged.ready()
+    return comm.allreduce(staged.array, op, name, out=staged.array, bf16=staged.bf16)
 
 
 def result_tensor(array: np.ndarray, like: torch.Tensor, bf16: bool) -> torch.Tensor:
