@@ -11,6 +11,20 @@ Parameters that got no gradient in a step (unused branches) are reduced at ``syn
 with the gradient they hold, zeros if they hold none, as Horovod does: every rank must reduce
 the same set, or the ranks that did compute it would wait forever. Frozen parameters
 (``requires_grad=False``) are never touched.
+
+Mixed precision with ``torch.amp.GradScaler``, as Horovod documents it::
+
+    scaler.scale(loss).backward()
+    optimizer.synchronize()                 # the reduced gradients, still scaled
+    scaler.unscale_(optimizer)              # sees an overflow on any rank (it is in the sum)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    with optimizer.skip_synchronize():
+        scaler.step(optimizer)              # skipped on every rank alike
+    scaler.update()                         # the same scale everywhere
+
+Unscaling before ``synchronize()`` would check each rank's own gradients, so ranks could
+disagree on skipping a step. ``compression=Compression.fp16`` sends fp32 and fp16 gradients
+as fp16 and sums them in fp32.
 """
 
 from __future__ import annotations
@@ -209,8 +223,10 @@ class DistributedOptimizer(Wrapper):
 
     # -- the hot path ----------------------------------------------------------------------
     def _on_grad(self, p: torch.nn.Parameter) -> None:
-        if not self._counts and self._bound_to is not default_communicator():
-            self._bind(check=False)  # shoal re-initialised since the last step: rebind
+        if not self._counts:
+            if self._bound_to is not default_communicator():
+                self._bind(check=False)  # shoal re-initialised since the last step: rebind
+            self._synchronized = False  # a new backward (after a step GradScaler skipped)
         count = self._counts.get(p, 0) + 1
         self._counts[p] = count
         if count == self._passes:
