@@ -22,10 +22,7 @@ def _model() -> torch.nn.Module:
 
 def _batches(n: int) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(11)
-    out = []
-    for step in range(STEPS):
-        out.append(torch.randn(n * 4, 6, generator=gen))
-    return out
+    return [torch.randn(n * 4, 6, generator=gen) for _ in range(STEPS)]
 
 
 def _train(model, opt, scaler, batches, part, sync, skip, overflows) -> list[float]:
