@@ -23,6 +23,7 @@ import torch.distributed as tdist
 from torch import nn
 
 import shoal.torch
+from shoal.torch.device import local_device
 
 __all__ = ["BACKENDS", "Dist", "average", "compression", "init_distributed",
            "shutdown_distributed", "unwrap", "wrap"]
@@ -89,9 +90,10 @@ def init_distributed(backend: str = "shoal", device: str | None = None) -> Dist:
     hvd = _horovod() if backend == "horovod" else shoal.torch
     hvd.init()
     rank, size, local_rank = hvd.rank(), hvd.size(), hvd.local_rank()
-    if device is None:
-        device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
+    # the GPU the scheduler gave this process (CUDA_VISIBLE_DEVICES per process), else local
+    # rank's, shared when there are fewer GPUs than local ranks (shoal says so once)
+    dev = torch.device(device) if device is not None else \
+        local_device(local_rank, hvd.local_size())
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if backend == "ddp-shoal" and not tdist.is_backend_available("shoal"):

@@ -103,9 +103,6 @@ def build_trainer(args: argparse.Namespace, dist: Dist, steps_per_epoch: int) ->
     optimizer = build_optimizer(args.optimizer, model, base_lr, args.weight_decay,
                                 momentum=args.momentum, rho=args.rmsprop_decay,
                                 eps=args.rmsprop_epsilon)
-    if args.optimizer_sharding and args.use_amp and dist.device.type == "cuda":
-        raise ValueError("--optimizer_sharding with --use_amp on CUDA: the gradient scaler "
-                         "would check each rank's shard for overflow alone; not supported")
     model, optimizer = wrap(model, optimizer, dist, args.compression,
                             sharded=args.optimizer_sharding)
     schedule = LRSchedule(base_lr, steps_per_epoch, steps_per_epoch * args.max_epochs,

@@ -22,6 +22,7 @@ import shoal.core.api as _api
 from shoal.core import ops as _ops
 from shoal.core import process_sets as _process_sets
 from shoal.core.compression import Compression
+from shoal.tensorflow import device as _tf_device
 
 from . import values
 from .callbacks import make_callbacks
@@ -34,10 +35,11 @@ _SHARED: dict[str, Any] = {  # the same objects on every import path
     **{name: getattr(_ops, name) for name in ("Adasum", "Average", "Max", "Min", "Product",
                                                "ReduceOp", "Sum")},
     **{name: getattr(_api, name) for name in (
-        "allgather_object", "broadcast_object", "cross_rank", "cross_size", "init",
+        "allgather_object", "broadcast_object", "cross_rank", "cross_size",
         "is_initialized", "local_rank", "local_size", "rank", "shutdown", "size")},
     **{name: getattr(_process_sets, name) for name in (
         "ProcessSet", "add_process_set", "global_process_set", "remove_process_set")},
+    "init": _tf_device.init,  # joins the job, then one GPU per process (Horovod's recipe)
 }
 
 

@@ -14,7 +14,8 @@ try:
     import keras
 except ModuleNotFoundError as exc:  # pragma: no cover - depends on the environment
     raise ModuleNotFoundError("shoal.keras needs Keras 3 with TensorFlow: "
-                              "pip install 'shoal[tensorflow]'") from exc
+                              "pip install 'shoal[tensorflow]' (or 'shoal[tensorflow-cpu]' "
+                              "on machines without GPUs)") from exc
 
 from shoal._keras import install
 

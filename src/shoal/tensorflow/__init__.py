@@ -20,12 +20,12 @@ try:
     import tensorflow as tf
 except ModuleNotFoundError as exc:  # pragma: no cover - depends on the environment
     raise ModuleNotFoundError("shoal.tensorflow needs TensorFlow: "
-                              "pip install 'shoal[tensorflow]'") from exc
+                              "pip install 'shoal[tensorflow]' (or 'shoal[tensorflow-cpu]' "
+                              "on machines without GPUs)") from exc
 
 from shoal.core.api import (
     cross_rank,
     cross_size,
-    init,
     is_initialized,
     local_rank,
     local_size,
@@ -66,6 +66,7 @@ from .collectives import (
     grouped_reducescatter,
     reducescatter,
 )
+from .device import init, pin_gpu
 from .functions import (
     Compression,
     Compressor,
@@ -121,7 +122,7 @@ __all__ = [
     "ddl_built", "global_process_set", "gloo_built", "gloo_enabled", "grouped_allgather",
     "grouped_allreduce", "grouped_reducescatter", "init", "is_initialized", "join",
     "local_rank", "local_rank_op", "local_size", "local_size_op", "mpi_built",
-    "mpi_enabled", "mpi_threads_supported", "nccl_built", "oob_allreduce",
+    "mpi_enabled", "mpi_threads_supported", "nccl_built", "oob_allreduce", "pin_gpu",
     "process_set_included_op", "rank", "rank_op", "reducescatter", "remove_process_set",
     "rocm_built", "shutdown", "size", "size_op", "start_timeline", "stop_timeline", "util",
 ]
