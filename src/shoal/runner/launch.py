@@ -347,3 +347,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ShoalError as exc:
         err(f"error: {exc}")
         return ExitCode.ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

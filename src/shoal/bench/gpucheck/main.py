@@ -1,0 +1,183 @@
+"""The GPU check's driver: ``python -m shoal.bench.gpucheck.main [--dry-run] --out FILE``
+(what ``scripts/gpu-check.sh`` runs).
+
+Each check of :mod:`.checks` runs in 2 ranks under shoalrun (they share the one GPU), then
+the application's EfficientNet-B0 ``training_benchmark`` runs at 224 px, AMP on and off, on
+1 and 2 ranks, beside the "independent" ceiling: as many single-rank runs at once as there
+are ranks, with no communication, their images/s summed. Everything lands in one JSON file;
+the exit status is non-zero when anything failed. ``--dry-run`` walks every step on CPU
+tensors through the device stage's stand-in, at toy sizes, so the script is proven before
+GPU time is spent on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from .checks import CHECKS
+
+RANKS = 2
+#: the benchmark's shape: (image px, per-rank batch, steps, warmup steps)
+GPU_BENCH = (224, 128, 40, 10)
+DRY_BENCH = (32, 4, 4, 1)
+BUDGET_S = 320.0  # all steps together (gpu-check.sh kills the driver at 345 s)
+NVIDIA_A100_B0_AMP = 3450  # images/s, NVIDIA's published figure for B0 + AMP on one A100
+
+
+def _env(dry: bool) -> dict[str, str]:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    root = Path(__file__).resolve().parents[4]  # the checkout: src/ and apps/ importable
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(root / "src"), str(root), *filter(None, [env.get("PYTHONPATH")])])
+    if dry:
+        env["SHOAL_DEVICE_STAGE_CPU"] = "1"
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
+
+
+def _shoalrun(np_: int, argv: list[str]) -> list[str]:
+    return [sys.executable, "-m", "shoal.runner.launch", "-np", str(np_), sys.executable,
+            *argv]
+
+
+def run_check(name: str, dry: bool, timeout: float) -> dict[str, Any]:
+    """One check in ``RANKS`` ranks; the per-rank results and whether all passed."""
+    with tempfile.TemporaryDirectory(prefix="shoal-gpucheck-") as out:
+        start = time.perf_counter()
+        try:
+            proc = subprocess.run(_shoalrun(RANKS, ["-m", "shoal.bench.gpucheck.worker", name,
+                                                    out]),
+                                  env=_env(dry), capture_output=True, text=True,
+                                  timeout=timeout)
+            rc, tail = proc.returncode, (proc.stdout + proc.stderr)[-3000:]
+        except subprocess.TimeoutExpired as exc:
+            rc, tail = 124, f"timed out after {timeout:.0f}s: {str(exc.stdout)[-2000:]}"
+        ranks = []
+        for r in range(RANKS):
+            path = Path(out) / f"{name}.{r}.json"
+            ranks.append(json.loads(path.read_text()) if path.exists() else
+                         {"rank": r, "ok": False, "error": "wrote no result"})
+    ok = rc == 0 and all(r.get("ok") for r in ranks)
+    return {"ok": ok, "seconds": round(time.perf_counter() - start, 1), "ranks": ranks,
+            **({} if ok else {"output_tail": tail})}
+
+
+def _app_argv(amp: bool, bench: tuple[int, int, int, int], model_dir: str,
+              dry: bool) -> list[str]:
+    px, batch, steps, warmup = bench
+    return ["-m", "apps.efficientnet.main", "--mode", "training_benchmark", "--synthetic",
+            "--arch", "efficientnet-b0", "--image_size", str(px), "--num_classes", "1000",
+            "--train_batch_size", str(batch), "--max_epochs", "1", "--steps_per_epoch",
+            str(steps), "--benchmark_warmup_steps", str(warmup), "--use_amp",
+            "true" if amp else "false", "--num_workers", "1" if dry else "4",
+            "--log_steps", "0", "--model_dir", model_dir, "--lr_init", "0.004"]
+
+
+def _images_per_second(model_dir: str) -> float:
+    for line in reversed(Path(model_dir, "log.json").read_text().splitlines()):
+        entry = json.loads(line)
+        if entry.get("step") == "SUMMARY":
+            return float(entry["data"]["avg_exp_per_second_training"])
+    raise RuntimeError(f"no SUMMARY line in {model_dir}/log.json")
+
+
+def run_benchmark(dry: bool, timeout: float) -> dict[str, Any]:
+    """images/s of the application, AMP on and off, 1 and RANKS ranks, and the ceiling;
+    ``timeout`` bounds each launch."""
+    start = time.perf_counter()
+    bench = DRY_BENCH if dry else GPU_BENCH
+    rows, ok, errors = [], True, []
+    env = _env(dry)
+    for amp in (True, False):
+        for ranks in (1, RANKS):
+            row: dict[str, Any] = {"amp": amp, "ranks": ranks, "image_size": bench[0],
+                                   "batch_per_rank": bench[1]}
+            with tempfile.TemporaryDirectory(prefix="shoal-gpubench-") as tmp:
+                try:
+                    argv = _app_argv(amp, bench, f"{tmp}/job", dry)
+                    cmd = _shoalrun(ranks, argv) if ranks > 1 else [sys.executable, *argv]
+                    subprocess.run(cmd, env=env, capture_output=True, text=True, check=True,
+                                   timeout=timeout)
+                    row["images_per_s"] = round(_images_per_second(f"{tmp}/job"), 1)
+                    if ranks == 1:  # one rank alone is its own ceiling
+                        rows.append(row)
+                        continue
+                    alone = [subprocess.Popen(
+                        [sys.executable, *_app_argv(amp, bench, f"{tmp}/alone{i}", dry)],
+                        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                        for i in range(ranks)]
+                    for proc in alone:
+                        _, err = proc.communicate(timeout=timeout)
+                        if proc.returncode:
+                            raise RuntimeError(f"an independent run failed: {err[-1500:]}")
+                    row["independent_images_per_s"] = round(sum(
+                        _images_per_second(f"{tmp}/alone{i}") for i in range(ranks)), 1)
+                    row["share_of_independent"] = round(
+                        row["images_per_s"] / row["independent_images_per_s"], 3)
+                except (subprocess.SubprocessError, RuntimeError, OSError, KeyError) as exc:
+                    ok = False
+                    detail = getattr(exc, "stderr", None) or ""
+                    errors.append(f"amp={amp} ranks={ranks}: {exc} {str(detail)[-1500:]}")
+            rows.append(row)
+    return {"ok": ok, "seconds": round(time.perf_counter() - start, 1), "rows": rows,
+            "nvidia_a100_b0_amp_images_per_s": NVIDIA_A100_B0_AMP,
+            **({"errors": errors} if errors else {})}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run every check and the benchmark; write ``--out``; 0 when everything passed."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dry-run", action="store_true", help="CPU tensors, toy sizes")
+    p.add_argument("--out", default="results/gpu-check.json")
+    p.add_argument("--only", nargs="*", choices=[*CHECKS, "benchmark"], default=None)
+    args = p.parse_args(argv)
+    started = time.perf_counter()
+    report: dict[str, Any] = {"dry_run": args.dry_run, "python": sys.version.split()[0]}
+    try:
+        import torch
+        report["torch"] = torch.__version__
+        report["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() and \
+            not args.dry_run else None
+        report["nccl"] = torch.distributed.is_nccl_available()
+    except Exception as exc:  # reported, and fails the check below
+        report["torch_error"] = repr(exc)
+    if not args.dry_run and not report.get("gpu"):
+        report["error"] = "no CUDA GPU visible (use --dry-run on a CPU machine)"
+    steps = args.only or [*CHECKS, "benchmark"]
+    results: dict[str, Any] = {}
+    deadline = started + BUDGET_S
+    for name in steps:
+        left = deadline - time.perf_counter()
+        if left < 15:
+            results[name] = {"ok": False, "error": f"skipped: the {BUDGET_S:.0f}s budget "
+                                                   f"was spent"}
+            continue
+        results[name] = run_benchmark(args.dry_run, min(100.0, left / 3)) \
+            if name == "benchmark" else run_check(name, args.dry_run, min(90.0, left))
+        print(f"gpu-check: {name}: {'ok' if results[name]['ok'] else 'FAILED'} "
+              f"({results[name].get('seconds', '')}s)", flush=True)
+    report["checks"] = results
+    report["ok"] = "error" not in report and all(r["ok"] for r in results.values())
+    report["seconds"] = round(time.perf_counter() - started, 1)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    for row in results.get("benchmark", {}).get("rows", []):
+        print(f"gpu-check: B0 {row['image_size']} px amp={row['amp']!s:5} ranks={row['ranks']}"
+              f": {row.get('images_per_s')} images/s (independent "
+              f"{row.get('independent_images_per_s')})", flush=True)
+    print(f"gpu-check: {'passed' if report['ok'] else 'FAILED'} in {report['seconds']}s; "
+          f"{out}", flush=True)
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

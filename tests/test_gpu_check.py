@@ -1,0 +1,49 @@
+"""``scripts/gpu-check.sh --dry-run``: every step of the GPU check walked on CPU tensors
+through the device stage's stand-in, proving the script before GPU time is spent on it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_gpu_check_dry_run_passes_and_writes_one_json(tmp_path) -> None:
+    out = tmp_path / "gpu-check.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHOAL_")}
+    proc = subprocess.run([str(ROOT / "scripts" / "gpu-check.sh"), "--dry-run", "--out",
+                           str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=400)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    report = json.loads(out.read_text())
+    assert report["ok"] and report["dry_run"]
+    checks = report["checks"]
+    assert set(checks) == {"collectives", "amp", "syncbn_ddp", "profile", "benchmark"}
+    for name in ("collectives", "amp", "syncbn_ddp", "profile"):
+        ranks = checks[name]["ranks"]
+        assert [r["rank"] for r in ranks] == [0, 1] and all(r["ok"] for r in ranks), ranks
+        assert all(r["device"] == "cpu" for r in ranks)
+    profile = checks["profile"]["ranks"][0]
+    assert profile["shoal_host_waits_before_step"] == 0 and profile["buckets"] > 1
+    assert profile["host_waits_by_engine_thread"] > 0  # the stand-in's copies were waited for
+    rows = checks["benchmark"]["rows"]
+    assert [(r["amp"], r["ranks"]) for r in rows] == [(True, 1), (True, 2), (False, 1),
+                                                      (False, 2)]
+    assert all(r["images_per_s"] > 0 for r in rows)
+    assert all(r["independent_images_per_s"] > 0 for r in rows if r["ranks"] > 1)
+    assert "passed" in proc.stdout
+
+
+def test_gpu_check_without_a_gpu_fails_and_says_why(tmp_path) -> None:
+    out = tmp_path / "gpu-check.json"
+    env = dict({k: v for k, v in os.environ.items() if not k.startswith("SHOAL_")},
+               CUDA_VISIBLE_DEVICES="", PYTHON=str(ROOT / ".venv" / "bin" / "python"))
+    proc = subprocess.run([str(ROOT / "scripts" / "gpu-check.sh"), "--out", str(out),
+                           "--only", "collectives"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=200)
+    assert proc.returncode == 1
+    report = json.loads(out.read_text())
+    assert not report["ok"] and "no CUDA GPU" in report["error"]
