@@ -47,3 +47,18 @@ def test_gpu_check_without_a_gpu_fails_and_says_why(tmp_path) -> None:
     assert proc.returncode == 1
     report = json.loads(out.read_text())
     assert not report["ok"] and "no CUDA GPU" in report["error"]
+
+
+def test_a_gpu_report_becomes_a_benchmarks_section_and_a_dry_run_does_not(tmp_path) -> None:
+    from shoal.bench.report import build
+    report = {"dry_run": False, "ok": True, "gpu": "NVIDIA H200", "torch": "2.11",
+              "checks": {"profile": {"ranks": [{"shoal_host_waits_before_step": 0,
+                                                "gpu_idle_share_of_step": 0.12}]},
+                         "benchmark": {"rows": [
+                             {"image_size": 224, "amp": True, "ranks": 2, "images_per_s": 10.0,
+                              "independent_images_per_s": 11.0, "share_of_independent": 0.9}]}}}
+    (tmp_path / "gpu-check.json").write_text(json.dumps(report))
+    text = build(str(tmp_path))
+    assert "## GPU: scripts/gpu-check.sh" in text and "| 224 | True | 2 | 10.0 | 11.0" in text
+    (tmp_path / "gpu-check.json").write_text(json.dumps({**report, "dry_run": True}))
+    assert "## GPU" not in build(str(tmp_path))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import glob
+import json
 import os
 from typing import Any
 
@@ -281,6 +282,13 @@ def build(folder: str) -> str:
         data = load_results(folder, name)
         first = first or data
         lines += _train_section(data, plots, name)
+    gpu = os.path.join(folder, "gpu-check.json")
+    if os.path.exists(gpu):  # written by scripts/gpu-check.sh on a GPU machine
+        from .gpucheck.main import section as gpu_section
+        with open(gpu) as f:
+            report = json.load(f)
+        if not report.get("dry_run"):
+            lines += gpu_section(report)
     for path in sorted(glob.glob(os.path.join(folder, "*.txt"))):
         title = os.path.splitext(os.path.basename(path))[0].replace("-", " ").capitalize()
         lines += _generic_section(title, path)

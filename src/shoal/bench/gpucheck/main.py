@@ -132,6 +132,26 @@ def run_benchmark(dry: bool, timeout: float) -> dict[str, Any]:
             **({"errors": errors} if errors else {})}
 
 
+def section(report: dict[str, Any]) -> list[str]:
+    """The GPU section of BENCHMARKS.md from a (non-dry) gpu-check JSON report."""
+    bench = report["checks"].get("benchmark", {})
+    profile = report["checks"].get("profile", {}).get("ranks", [{}])[0]
+    lines = ["## GPU: scripts/gpu-check.sh", "",
+             f"{report.get('gpu')}, torch {report.get('torch')}, {RANKS} ranks sharing the "
+             f"GPU; all checks {'passed' if report['ok'] else 'did NOT pass'}. Profiled step: "
+             f"{profile.get('shoal_host_waits_before_step')} host waits by shoal before "
+             f"step(), GPU idle {profile.get('gpu_idle_share_of_step')} of the step.", "",
+             "| B0 px | AMP | ranks | images/s | independent | share |",
+             "|---|---|---|---|---|---|"]
+    for row in bench.get("rows", []):
+        lines.append(f"| {row['image_size']} | {row['amp']} | {row['ranks']} | "
+                     f"{row.get('images_per_s')} | {row.get('independent_images_per_s', '-')} "
+                     f"| {row.get('share_of_independent', '-')} |")
+    lines += ["", f"NVIDIA's published EfficientNet-B0 with AMP on one A100: "
+              f"{NVIDIA_A100_B0_AMP:,} images/s.", ""]
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run every check and the benchmark; write ``--out``; 0 when everything passed."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
