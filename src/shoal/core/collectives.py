@@ -106,9 +106,20 @@ class Collectives:
     _epoch: int = 0
 
     def _auto_name(self, kind: str, name: str | None) -> str:
+        """The name an unnamed collective would get, for the messages of argument checks;
+        nothing is consumed (:meth:`_take_name` does that once the arguments passed)."""
+        if name:
+            return name
+        epoch = self.engine.epoch
+        count = (self._counter if epoch == self._epoch else 0) + 1
+        return f"{kind}.noname.{epoch}.{count}" if epoch else f"{kind}.noname.{count}"
+
+    def _take_name(self, kind: str, name: str | None) -> str:
         """Unnamed collectives are numbered in call order (the same on every rank that makes
-        the same calls); after ranks were found diverged the numbering restarts everywhere,
-        so a caught error does not leave later unnamed calls unmatched."""
+        the same calls), counted only once their arguments passed, so a bad argument raises
+        on its rank and leaves the numbering as it was; after ranks were found diverged the
+        numbering restarts everywhere, so a caught error does not leave later unnamed calls
+        unmatched."""
         if name:
             return name
         epoch = self.engine.epoch
@@ -167,7 +178,7 @@ class Collectives:
         """Checked arguments of an allreduce: name, logical dtype, description, output, and
         the flat storage views of input and output."""
         rank = self.engine.rank
-        name = self._auto_name("allreduce", name)
+        given, name = name, self._auto_name("allreduce", name)
         checked = None
         if type(array) is np.ndarray and array.flags.c_contiguous:
             key = (array.shape, array.dtype, op, compression.name, bf16)
@@ -185,7 +196,8 @@ class Collectives:
         elif out.shape != array.shape or out.dtype != array.dtype or not out.flags.c_contiguous:
             raise ValueError(f"rank {rank}: output for {name!r} must be a C-contiguous "
                              f"{array.dtype} array of shape {array.shape}")
-        return name, dtype, desc, out, _storage(array, dtype), _storage(out, dtype)
+        src, dst = _storage(array, dtype), _storage(out, dtype)
+        return self._take_name("allreduce", given), dtype, desc, out, src, dst
 
     def allreduce(self, array: np.ndarray, op: ReduceOp = ReduceOp.AVERAGE,
                   name: str | None = None, out: np.ndarray | None = None,
@@ -208,15 +220,16 @@ class Collectives:
                       extra_of: Callable[[str], Any],
                       ready: Callable[[], None] | None = None) -> Request:
         engine = self.engine
-        name = self._auto_name(kind.value, name)
+        given, name = name, self._auto_name(kind.value, name)
         dtype = check_array(array, f"{kind.value} tensor {name!r}", engine.rank)
         if array.ndim == 0:
             raise ValueError(f"rank {engine.rank}: {kind.value} tensor {name!r} is a scalar; "
                              f"reshape it to (1,)")
         trailing = tuple(array.shape[1:])
         desc = f"{kind.value} shape=(*, {', '.join(map(str, trailing))}) dtype={dtype}"
-        return Request(kind, name, _storage(array, dtype), None, dtype, desc,
-                       extra=extra_of(name), trailing=trailing, ready=ready)
+        extra, flat = extra_of(name), _storage(array, dtype)
+        return Request(kind, self._take_name(kind.value, given), flat, None, dtype, desc,
+                       extra=extra, trailing=trailing, ready=ready)
 
     def allgather_async(self, array: np.ndarray, name: str | None = None, *,
                         out: np.ndarray | None = None,
@@ -226,14 +239,15 @@ class Collectives:
         ``out`` (C-contiguous, the array's dtype and trailing shape, as many rows as all
         ranks together) receives the result in place of a new array; this rank's rows may
         already lie in it, where they belong."""
-        req = self._rows_request(Kind.ALLGATHER, array, name, lambda n: int(array.shape[0]),
-                                 ready)
-        if out is not None:
-            if out.dtype != array.dtype or out.shape[1:] != array.shape[1:] or \
-                    not out.flags.c_contiguous:
+        def rows(name: str) -> int:
+            if out is not None and (out.dtype != array.dtype or out.shape[1:] != array.shape[1:]
+                                    or not out.flags.c_contiguous):
                 raise ValueError(f"rank {self.engine.rank}: allgather output for "
-                                 f"{req.name!r} must be a C-contiguous {array.dtype} array of "
+                                 f"{name!r} must be a C-contiguous {array.dtype} array of "
                                  f"shape (*, {', '.join(map(str, array.shape[1:]))})")
+            return int(array.shape[0])
+        req = self._rows_request(Kind.ALLGATHER, array, name, rows, ready)
+        if out is not None:
             req.out = _storage(out, req.dtype).reshape(out.shape)
         return self._chain(req, out, _wake, None if out is not None else
                            lambda flat: flat.view(array.dtype)
@@ -280,12 +294,13 @@ class Collectives:
                         _wake: bool = True) -> Handle:
         """Start overwriting ``array`` with ``root_rank``'s values; returns a :class:`Handle`."""
         engine = self.engine
-        name = self._auto_name("broadcast", name)
+        given, name = name, self._auto_name("broadcast", name)
         dtype = check_array(array, f"broadcast tensor {name!r}", engine.rank)
         if not 0 <= root_rank < engine.size:
             raise ValueError(f"rank {engine.rank}: root_rank {root_rank} is not a rank of this "
                              f"communicator (size {engine.size})")
         flat = _storage(array, dtype)
+        name = self._take_name("broadcast", given)
         desc = f"broadcast shape={_shape(array)} dtype={dtype} root={root_rank}"
         req = Request(Kind.BROADCAST, name, flat, flat, dtype, desc, root=root_rank,
                       ready=ready)
@@ -309,7 +324,7 @@ class Collectives:
         the block in place of a new array."""
         engine = self.engine
         op = ReduceOp(op)
-        name = self._auto_name("reducescatter", name)
+        given, name = name, self._auto_name("reducescatter", name)
         if getattr(array, "ndim", 1) == 0:
             raise ValueError(f"rank {engine.rank}: reducescatter tensor {name!r} is a scalar; "
                              f"it needs at least one dimension to scatter")
@@ -347,6 +362,7 @@ class Collectives:
                 scale(scaled, prescale_factor, dtype)
             ready = _when_ready(ready, prescale)
         dst = _storage(out, dtype)
+        name = self._take_name("reducescatter", given)
         desc = (f"reducescatter shape={_shape(array)} dtype={dtype} "
                 f"op={op.name.capitalize()}" + (f" splits={starts}" if splits is not None
                                                  else ""))
@@ -374,10 +390,13 @@ class Collectives:
     def broadcast_object(self, obj: Any, root_rank: int = 0, name: str | None = None) -> Any:
         """Send a picklable object from ``root_rank`` to every rank (peers are
         authenticated)."""
-        name = self._auto_name("broadcast_object", name)
         me = self.engine.rank
+        if not 0 <= root_rank < self.engine.size:
+            raise ValueError(f"rank {me}: root_rank {root_rank} is not a rank of this "
+                             f"communicator (size {self.engine.size})")
         payload = np.frombuffer(pickle.dumps(obj), np.uint8) if me == root_rank \
             else np.empty(0, np.uint8)
+        name = self._take_name("broadcast_object", name)
         length = self.broadcast(np.array([payload.size], np.int64), root_rank,
                                 name=f"{name}.len")
         if me != root_rank:
@@ -387,8 +406,8 @@ class Collectives:
 
     def allgather_object(self, obj: Any, name: str | None = None) -> list[Any]:
         """Every rank's picklable object, in rank order."""
-        name = self._auto_name("allgather_object", name)
         payload = np.frombuffer(pickle.dumps(obj), np.uint8)
+        name = self._take_name("allgather_object", name)
         lengths = self.allgather(np.array([payload.size], np.int64), name=f"{name}.len")
         data = self.allgather(payload, name=f"{name}.data")
         offsets = np.cumsum([0, *lengths.tolist()])

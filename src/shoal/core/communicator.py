@@ -12,6 +12,7 @@ communicator the module-level functions use.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import os
@@ -40,6 +41,7 @@ from .transport.tcp import TcpMesh
 __all__ = ["Communicator", "explain_loss", "local_address"]
 
 log = logging.getLogger("shoal")
+_keys = itertools.count(1)
 
 
 def local_address(remote: str, port: int) -> str:
@@ -120,6 +122,8 @@ class Communicator(Collectives):
         self._children: dict[tuple[int, ...], int] = {}
         self.p2p = p2p
         self._counter = 0
+        self._ordinals: dict[str, int] = {}
+        self.key = next(_keys)  # this process's handle on the communicator (never a name)
         self._closed = False
         timeline = Timeline(cfg.timeline, world.rank) if cfg.timeline and (
             world.rank == 0 or "{rank}" in cfg.timeline) else None
@@ -234,6 +238,15 @@ class Communicator(Collectives):
                                    secret=self.secret, job_id=self.job_id,
                                    bind_addr=self.transport.mesh.address[0]
                                    if self.transport.mesh else None)
+
+    def ordinal(self, kind: str) -> int:
+        """The next number of ``kind`` on this communicator: 0, 1, ... in the order this rank
+        asks, so the same on every rank that asks in the same order. Adapters name long-lived
+        collectives with it (a layer's statistics, an optimizer's shards) at first use, where
+        a process-wide count would differ between ranks that built different objects."""
+        n = self._ordinals.get(kind, 0)
+        self._ordinals[kind] = n + 1
+        return n
 
     # -- point to point --------------------------------------------------------------------
     def _peer_messages(self) -> PeerMessages:

@@ -78,6 +78,9 @@ class Engine(SmallPath):
         self._join: Request | None = None  # this rank's join() in progress
         self._join_seen: dict[int, int] = {}  # rank -> round it was first seen joined
         self._small_heads: dict[int, tuple[bytes, int]] = {}
+        # threads blocked in wait() -> since when: only a rank blocked on a collective is
+        # stuck; one holding a pending request while it computes is not
+        self._blocked: dict[int, float] = {}
         self.small_bytes = self.small_limit()
         self.small_rounds = 0
         self._thread = threading.Thread(target=self._loop, name="shoal-engine", daemon=True)
@@ -129,6 +132,19 @@ class Engine(SmallPath):
         """Drive rounds on this thread while it is free, until ``future`` is done. With a
         ``timeout`` the engine's thread drives them instead: a round waits for every rank
         to join it, so one driven here could outlast the deadline."""
+        if future.done():
+            return future.result()
+        token = threading.get_ident()
+        outer = token in self._blocked  # a done-callback waiting inside a wait
+        if not outer:
+            self._blocked[token] = time.perf_counter()
+        try:
+            return self._wait(future, timeout)
+        finally:
+            if not outer:
+                self._blocked.pop(token, None)
+
+    def _wait(self, future: Future, timeout: float | None) -> Any:
         deadline = None if timeout is None else time.monotonic() + timeout
         if deadline is not None:
             with self._cv:
@@ -233,7 +249,9 @@ class Engine(SmallPath):
                 new.append([req.name, req.desc, req.extra])
         packed = np.packbits(bits).tobytes()
         tail = json.dumps(new).encode() if new else b"[]"
-        flags = _STUCK if oldest < time.perf_counter() - self.cfg.stall_warning_s else 0
+        since = min(self._blocked.values(), default=math.inf)
+        limit = time.perf_counter() - self.cfg.stall_warning_s
+        flags = _STUCK if oldest < limit and since < limit else 0
         if self._join is not None:
             flags |= _JOINED
         return _HEAD.pack(len(packed), len(self._by_id), flags) + packed + tail
@@ -376,14 +394,16 @@ class Engine(SmallPath):
                     f"rank {self.rank}: {name!r} ({desc.split()[0]}) cannot run while ranks "
                     f"{joined} have joined; only allreduce takes neutral contributions from "
                     f"joined ranks")
-        if not ready and all(stuck) and not refused:
-            # every rank has waited stall_warning_s on collectives no other rank will match
-            # (different names, or different collectives): a mismatch, not a hang
+        if not ready and active and all(stuck[r] for r in active) and not refused:
+            # every rank (joined ones aside) has been blocked in a wait for stall_warning_s on
+            # collectives no other rank will match (different names, or different
+            # collectives): a mismatch, not a hang
             waiting = {r: sorted([self._by_id[i] for i in np.flatnonzero(bits[r])]
                                  + [nm for nm, d in present.items() if r in d])
-                       for r in range(self.size)}
+                       for r in active}
             error = CollectiveMismatchError(
-                f"rank {self.rank}: every rank has waited over SHOAL_STALL_WARNING_S="
+                f"rank {self.rank}: every rank{' not joined' if joined else ''} has been "
+                f"blocked over SHOAL_STALL_WARNING_S="
                 f"{self.cfg.stall_warning_s:g}s on collectives that cannot match:\n"
                 + "\n".join(f"  rank {r} waits for {', '.join(map(repr, names[:8]))}"
                              + (f" and {len(names) - 8} more" if len(names) > 8 else "")

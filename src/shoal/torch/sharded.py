@@ -23,7 +23,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
-import itertools
+import hashlib
 import os
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -40,7 +40,16 @@ from .tensors import reduce_now, stage
 
 __all__ = ["ShardedOptimizer"]
 
-_ids = itertools.count()
+
+def _name_of(comm: Any, optimizer: torch.optim.Optimizer,
+             trained: list[torch.Tensor]) -> str:
+    """A name from what is sharded (the optimizer's class, each parameter's shape and dtype)
+    and how many such optimizers this communicator has made: the same on every rank that
+    builds the same, and untouched by other optimizers only some ranks build."""
+    layout = repr((type(optimizer).__qualname__,
+                   [(tuple(p.shape), str(p.dtype)) for p in trained]))
+    digest = hashlib.sha256(layout.encode()).hexdigest()[:10]
+    return f"shard.{digest}.{comm.ordinal('shard.' + digest)}"
 
 
 class _Shard:
@@ -106,7 +115,7 @@ class ShardedOptimizer(Wrapper):
                 {p.device.type for p in trained}, comm.world.local_size,
                 torch.get_num_threads(), len(os.sched_getaffinity(0)),
                 comm.cfg.fusion_threshold)
-        self._name = f"shard{next(_ids)}"
+        self._name = _name_of(comm, optimizer, trained)
         plan = sharding.plan([p.numel() for p in trained],
                              [(p.device, p.dtype) for p in trained],
                              [p.element_size() for p in trained],

@@ -10,7 +10,6 @@ layers in the same order (they do when they run the same model).
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
 import torch
@@ -22,8 +21,6 @@ from shoal.core.process_sets import communicator_for
 from .tensors import reduce_now, stage
 
 __all__ = ["SyncBatchNorm", "convert_sync_batchnorm"]
-
-_ids = itertools.count()
 
 
 def _allreduce_sum(t: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,7 +98,18 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
                  device: Any = None, dtype: Any = None) -> None:
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device,
                          dtype)
-        self._shoal_id = next(_ids)
+        self._shoal_name = (0, "")  # (communicator key, name), given at first synced use
+
+    def _collective_name(self) -> str:
+        """This layer's name on the default communicator: numbered there in the order the
+        layers first synchronise (the same on every rank running the same model), so layers
+        only some ranks build (an evaluation copy) or never train leave the others alone."""
+        comm = communicator_for(None)
+        key, name = self._shoal_name
+        if key != comm.key:
+            name = f"syncbn.{comm.ordinal('syncbn')}"
+            self._shoal_name = (comm.key, name)
+        return name
 
     def _check_input_dim(self, x: torch.Tensor) -> None:
         if x.dim() < 2:
@@ -115,7 +123,7 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         # the same name every step: after the first, the statistics of a layer travel in
         # one synchronisation round (shoal.core.small), the payload riding with the
         # negotiation (a name new each call was negotiated in full every time)
-        name = f"syncbn.{self._shoal_id}"
+        name = self._collective_name()
         out, mean, unbiased = _SyncBN.apply(x, self.weight, self.bias, self.eps, name)
         if self.training and self.track_running_stats:
             with torch.no_grad():
