@@ -87,3 +87,32 @@ def test_reducescatter_moves_its_share(n: int, hosts) -> None:
     for scattered, reduced in run_ranks(_bytes_on_tcp, n, hosts=hosts, timeout=90):
         assert scattered <= share * 1.05 + 4096, (scattered, share)
         assert reduced >= 1.9 * scattered, (scattered, reduced)
+
+
+def _half_large(rank: int) -> list:
+    import shoal
+    out = []
+    for dtype in ("float16", "bfloat16"):
+        x = np.full(13, 40000.0, np.float32)
+        if dtype == "bfloat16":
+            import ml_dtypes
+            arr = x.astype(ml_dtypes.bfloat16)
+        else:
+            arr = x.astype(np.float16)
+        for op in (shoal.Average, shoal.Sum):
+            got = shoal.reducescatter(arr, op=op).astype(np.float32)
+            full = shoal.allreduce(arr, op=op).astype(np.float32)
+            out.append((dtype, shoal.ReduceOp(op).name, got.tolist(), full[:got.size].tolist(),
+                        float(arr[0])))
+    return out
+
+
+def test_half_precision_host_sum_does_not_overflow_across_hosts() -> None:
+    """The host stage sums 16-bit blocks in float32: Average 40000 at 2 hosts x 2 ranks is
+    40000 (the host's 80000 would be inf in float16), as the allreduce gives."""
+    pytest.importorskip("ml_dtypes")
+    for rows in run_ranks(_half_large, 4, hosts=["a", "a", "b", "b"], timeout=90):
+        for dtype, op, got, full, value in rows:
+            assert got == full, (dtype, op, got, full)
+            if op == "AVERAGE":
+                assert got[0] == value, (dtype, op, got)

@@ -8,13 +8,14 @@
   ring, all local ranks at once; each host link carries (H-1)/H of the data, H hosts;
 - no shared memory (``ring``): one TCP ring over every rank.
 
-Half-precision sums cross hosts in float32, as the allreduce's do, and round once at the end.
+Half-precision sums leave each host in float32 (the host stage reads 16-bit words and sums
+them in float32), cross hosts in float32, as the allreduce's do, and round once at the end.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -45,6 +46,16 @@ def _over_ring(comm: Transport, group: Sequence[int], work: np.ndarray,
                        functools.partial(reduce_into, op=op, dtype=wire),
                        block_bytes=comm.cfg.tcp_chunk_bytes, what=what)
     return work[bounds[me]:bounds[me + 1]]
+
+
+def _wide_sum(wire: str) -> Callable[..., None]:
+    """The host stage's reduction of half-precision blocks into a float32 block: 16-bit words
+    cross shared memory, the host's sum is float32 and is not rounded before the hop."""
+    def reduce(out: np.ndarray, peers: Sequence[np.ndarray], first: np.ndarray) -> None:
+        out[:] = _widen(first, wire)
+        for peer in peers:
+            out += _widen(peer, wire)
+    return reduce
 
 
 def _finish(block: np.ndarray, dst: np.ndarray, op: ReduceOp, dtype: str, count: int) -> None:
@@ -85,9 +96,11 @@ def reducescatter(comm: Transport, src: np.ndarray, dst: np.ndarray, bounds: Seq
     starts = np.cumsum([0, *sizes]).tolist()
     local_bounds = [starts[lr * hosts] for lr in range(local)] + [starts[-1]]
     lr = world.local_rank
-    mine = np.empty(local_bounds[lr + 1] - local_bounds[lr], src.dtype)
-    comm.shm.reducescatter(perm, mine, local_bounds,
+    wide = dtype in _HALF and op in (ReduceOp.SUM, ReduceOp.AVERAGE)
+    mine = np.empty(local_bounds[lr + 1] - local_bounds[lr], np.float32 if wide else src.dtype)
+    comm.shm.reducescatter(perm, mine, local_bounds, _wide_sum(dtype) if wide else
                            functools.partial(reduce_into, op=op, dtype=dtype), what)
     cross_bounds = [s - local_bounds[lr] for s in starts[lr * hosts:(lr + 1) * hosts + 1]]
-    block = _over_ring(comm, world.cross_peers, mine, cross_bounds, op, dtype, what)
+    block = _over_ring(comm, world.cross_peers, mine, cross_bounds, op,
+                       "float32" if wide else dtype, what)
     _finish(block, dst, op, dtype, n)
