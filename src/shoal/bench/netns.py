@@ -30,7 +30,8 @@ def _run(*argv: str) -> None:
 class EmulatedCluster:
     """``nodes`` namespaces, each behind a link shaped to ``rate`` each way."""
 
-    def __init__(self, nodes: int = 2, rate: str = "1gbit", tag: str | None = None) -> None:
+    def __init__(self, nodes: int = 2, rate: str = "1gbit", tag: str | None = None, *,
+                 drop_udp: bool = False) -> None:
         if nodes < 2:
             raise ValueError("the emulated cluster needs at least 2 nodes")
         if os.geteuid() != 0:
@@ -38,6 +39,7 @@ class EmulatedCluster:
                                      "skip the emulated-cluster benchmark")
         tag = tag or str(os.getpid())
         self.rate = rate
+        self.drop_udp = drop_udp  # a network that passes TCP only (a security group, a policy)
         self.namespaces = [f"shoal{tag}n{i}" for i in range(nodes)]
         self.devices = [f"sh{tag}v{i}"[:15] for i in range(nodes)]
         self.addresses = [f"127.10.0.{i + 1}" for i in range(nodes)]
@@ -45,8 +47,22 @@ class EmulatedCluster:
         self._created: list[str] = []
 
     def _shape(self, ns: str, dev: str) -> None:
-        _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
-             "rate", self.rate, "burst", "256kb", "latency", "100ms")
+        tc = ("ip", "netns", "exec", ns, "tc")
+        if not self.drop_udp:
+            _run(*tc, "qdisc", "add", "dev", dev, "root", "tbf", "rate", self.rate, "burst",
+                 "256kb", "latency", "100ms")
+            return
+        # htb at the rate for everything; UDP is sent to a class whose tbf has a burst too
+        # small for any datagram, so it drops them all (no netem or gact on this kernel)
+        _run(*tc, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "10")
+        _run(*tc, "class", "add", "dev", dev, "parent", "1:", "classid", "1:10", "htb",
+             "rate", self.rate)
+        _run(*tc, "class", "add", "dev", dev, "parent", "1:", "classid", "1:20", "htb",
+             "rate", "8bit", "ceil", "8bit")
+        _run(*tc, "qdisc", "add", "dev", dev, "parent", "1:20", "handle", "20:", "tbf",
+             "rate", "8bit", "burst", "10", "limit", "10")
+        _run(*tc, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1",
+             "u32", "match", "ip", "protocol", "17", "0xff", "flowid", "1:20")
 
     def __enter__(self) -> EmulatedCluster:
         try:

@@ -31,7 +31,7 @@ from .comm import Transport
 from .config import Config
 from .engine import Engine
 from .errors import PeerLostError, ShoalError
-from .liveness import Liveness
+from .liveness import MODES, Liveness
 from .p2p import P2PHandle, PeerMessages
 from .store import PrefixStore, Store
 from .timeline import Timeline
@@ -176,15 +176,16 @@ class Communicator(Collectives):
                            buffer_bytes=cfg.tcp_buffer_bytes, bind_addr=bind, liveness=liveness)
             resources.append(mesh.close)
             p2p = PeerMessages(rank, size, key, bind_addr=bind, timeout=cfg.timeout_s or None,
-                               connect_timeout=wait, buffer_bytes=cfg.tcp_buffer_bytes)
+                               connect_timeout=wait, buffer_bytes=cfg.tcp_buffer_bytes,
+                               liveness=liveness, held_bytes=cfg.p2p_held_bytes)
             resources.append(p2p.close)
             hello = json.dumps({"host": host, "addr": mesh.address[0], "port": mesh.address[1],
-                                "hb": liveness.address[1], "p2p": p2p.address[1],
-                                "pid": os.getpid()}).encode()
+                                "hb": liveness.address[1], "hbt": liveness.tcp_address[1],
+                                "p2p": p2p.address[1], "pid": os.getpid()}).encode()
             peers = [json.loads(b) for b in store.allgather("hello", rank, size, hello, wait)]
             world = topology.World.from_hostnames(rank, [p["host"] for p in peers])
             mesh.connect([(p["addr"], p["port"]) for p in peers], wait)
-            liveness.start({r: (p["addr"], p["hb"]) for r, p in enumerate(peers)})
+            _start_heartbeats(liveness, cfg, store, peers, wait)
             p2p.start([(p["addr"], p["p2p"]) for p in peers])
             shm = None
             if cfg.shm_enable and world.local_size > 1:
@@ -233,8 +234,11 @@ class Communicator(Collectives):
         every member must name alike and no other communicator may use; it inherits this
         one's host identities, secret, job and address. :meth:`split` numbers its stores
         itself."""
+        cfg = cfg or self.cfg
+        if cfg.heartbeat == "auto" and self.liveness is not None:  # the parent probed
+            cfg = cfg.replace(heartbeat=self.liveness.mode)
         return Communicator.create(store, list(members).index(self.rank), len(members),
-                                   cfg=cfg or self.cfg, hostname=self.world.hosts[self.rank],
+                                   cfg=cfg, hostname=self.world.hosts[self.rank],
                                    secret=self.secret, job_id=self.job_id,
                                    bind_addr=self.transport.mesh.address[0]
                                    if self.transport.mesh else None)
@@ -316,6 +320,35 @@ class Communicator(Collectives):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _start_heartbeats(liveness: Liveness, cfg: Config, store: Store, peers: list[dict],
+                      wait: float) -> None:
+    """Start the heartbeat the way ``SHOAL_HEARTBEAT`` says. ``auto`` tries UDP: when some
+    rank did not hear every peer within a few intervals (a network that passes TCP but drops
+    UDP), every rank moves to TCP, and rank 0 says so once."""
+    mode = cfg.heartbeat.lower()
+    if mode not in MODES:
+        raise ShoalError(f"SHOAL_HEARTBEAT={cfg.heartbeat!r}: use one of {', '.join(MODES)}")
+    liveness.start({r: (p["addr"], p["hb"]) for r, p in enumerate(peers)},
+                   {r: (p["addr"], p["hbt"]) for r, p in enumerate(peers)}, mode)
+    if mode != "auto":
+        return
+    probe = min(max(2.0, 2.5 * cfg.heartbeat_interval_s), max(0.5, cfg.heartbeat_timeout_s / 2))
+    missing = liveness.udp_heard_all(probe)
+    me, size = liveness.rank, len(peers)
+    verdicts = [json.loads(b) for b in store.allgather(
+        "heartbeat", me, size, json.dumps(missing).encode(), wait)]
+    deaf = {r: m for r, m in enumerate(verdicts) if m}
+    if not deaf:
+        return
+    liveness.use_tcp()
+    if me == 0:
+        pairs = "; ".join(f"rank {r} heard nothing from {', '.join(map(str, m[:8]))}"
+                          for r, m in list(deaf.items())[:4])
+        log.warning("heartbeats go over TCP: UDP datagrams did not arrive within %.1fs (%s); "
+                    "a network that drops UDP, fine for shoal (set SHOAL_HEARTBEAT=tcp to skip "
+                    "the probe)", probe, pairs)
 
 
 class _LocalStore(Store):

@@ -93,6 +93,10 @@ KNOBS: dict[str, Knob] = _knobs(
          "shoalrun's elastic mode"),
     Knob("elastic_timeout_s", float, 600.0, "elastic job: the longest wait for a world that "
          "names this worker, and for enough workers (--elastic-timeout)"),
+    Knob("heartbeat", str, "auto", "how heartbeats travel: auto (UDP, probed at start; TCP "
+         "where UDP does not pass, said once) | udp | tcp"),
+    Knob("p2p_held_bytes", _parse_bytes, 256 << 20, "point-to-point: bytes of messages that "
+         "arrived before their receive held at once; past it a sender waits"),
     Knob("heartbeat_timeout_s", float, 10.0, "a peer silent this long is lost (killed, frozen "
          "or unreachable); a live, busy peer is waited for"),
     Knob("start_timeout_s", float, 120.0, "longest wait for every rank to join the rendezvous"),

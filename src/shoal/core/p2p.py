@@ -32,6 +32,7 @@ import numpy as np
 
 from .auth import client_handshake, server_handshake
 from .errors import AuthenticationError, PeerLostError, RendezvousError, ShoalTimeoutError
+from .liveness import Liveness
 from .netutil import dial_until, recv_exact, recv_into_exact, tune_socket
 
 __all__ = ["P2PHandle", "PeerMessages"]
@@ -41,16 +42,21 @@ _ROLE = b"p2p"
 _RANK = struct.Struct("!I")
 _HEAD = struct.Struct("!qQ")  # tag, payload bytes
 _SMALL = 1 << 16  # payloads up to this size are copied to go out with their header
+_WATCH_S = 0.25  # how often a waiting handle asks the heartbeat about its peer
+_HANDSHAKE_S = 10.0  # a connection that has not proved the secret by then is dropped
+_MAX_HANDSHAKES = 256  # connections proving themselves at once; more are refused at once
+_DISCARD = 1 << 20  # a message no receive can take is read and dropped in pieces this big
 
 
 class P2PHandle:
     """A pending send or receive. Its result is the peer's rank (for a receive from any
     source, the sender); same interface as :class:`~shoal.core.collectives.Handle`."""
 
-    def __init__(self) -> None:
+    def __init__(self, watch: Callable[[float], None] | None = None) -> None:
         self._future: Future = Future()
         self.source: int | None = None
         self._withdraw: Callable[[], bool] | None = None
+        self._watch = watch  # raises PeerLostError once the peer is lost (its heartbeat)
 
     def cancel(self) -> bool:
         """Withdraw a receive that no message has matched yet (a later message then waits
@@ -74,12 +80,29 @@ class P2PHandle:
         return self._future.done()
 
     def wait(self, timeout: float | None = None) -> int:
-        """Block until done; the peer's rank, or raise the error."""
-        try:
-            return self._future.result(timeout)
-        except TimeoutError as exc:
-            raise ShoalTimeoutError(f"point-to-point message not done after {timeout}s (is "
-                                    f"the peer posting the matching send/recv?)") from exc
+        """Block until done; the peer's rank, or raise the error. A peer that stops sending
+        heartbeats (killed, frozen, unreachable) fails the wait with
+        :class:`~shoal.core.errors.PeerLostError`, whatever ``timeout`` is."""
+        start = time.monotonic()
+        while True:
+            waited = time.monotonic() - start
+            left = None if timeout is None else max(0.0, timeout - waited)
+            step = left if self._watch is None else min(_WATCH_S, left if left is not None
+                                                         else _WATCH_S)
+            try:
+                return self._future.result(step)
+            except TimeoutError:
+                if left is not None and waited + (step or 0.0) >= timeout:
+                    raise ShoalTimeoutError(
+                        f"point-to-point message not done after {timeout}s (is the peer "
+                        f"posting the matching send/recv?)") from None
+            if self._watch is not None:
+                try:
+                    self._watch(time.monotonic() - start)
+                except PeerLostError as exc:
+                    if self._withdraw is not None:
+                        self._withdraw()
+                    self._fail(exc)
 
     def exception(self) -> BaseException | None:
         """The error once done (None if it succeeded)."""
@@ -110,8 +133,13 @@ class PeerMessages:
 
     def __init__(self, rank: int, size: int, secret: bytes, *, bind_addr: str,
                  timeout: float | None, connect_timeout: float,
-                 buffer_bytes: int | None = None) -> None:
+                 buffer_bytes: int | None = None, liveness: Liveness | None = None,
+                 held_bytes: int = 256 << 20) -> None:
         self.rank, self.size = rank, size
+        self._liveness = liveness
+        self._held_limit = held_bytes  # unexpected messages held at once, in bytes
+        self._held_now = 0
+        self._handshakes = threading.BoundedSemaphore(_MAX_HANDSHAKES)
         self._secret = secret
         self._timeout = timeout
         self._connect_timeout = connect_timeout
@@ -120,7 +148,7 @@ class PeerMessages:
         self._listener.settimeout(0.25)  # the accept loop polls, so close() never races it
         self.address: tuple[str, int] = self._listener.getsockname()[:2]
         self._peers: list[tuple[str, int]] = []
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
         self._posted: list[_Recv] = []
         self._held: list[_Held] = []
         self._out: dict[int, socket.socket] = {}
@@ -139,6 +167,8 @@ class PeerMessages:
 
     # -- receiving -------------------------------------------------------------------------
     def _accept_loop(self) -> None:
+        """Accept, and prove each connection on a thread of its own: a stranger that
+        connects and stays silent holds only its own thread, for at most a few seconds."""
         while not self._closed:
             try:
                 sock, addr = self._listener.accept()
@@ -146,26 +176,38 @@ class PeerMessages:
                 continue
             except OSError:
                 return
-            try:
-                sock.settimeout(self._connect_timeout)
-                server_handshake(sock, self._secret, _ROLE)
-                (peer,) = _RANK.unpack(recv_exact(sock, _RANK.size, "peer"))
-                if not 0 <= peer < self.size:
-                    raise AuthenticationError(f"claimed rank {peer}")
-            except (AuthenticationError, PeerLostError, OSError) as exc:
-                log.warning("rank %d: refused point-to-point connection from %s: %s",
-                            self.rank, addr, exc)
+            if not self._handshakes.acquire(blocking=False):
+                log.warning("rank %d: refused point-to-point connection from %s: %d "
+                            "connections are already proving themselves", self.rank, addr,
+                            _MAX_HANDSHAKES)
                 sock.close()
                 continue
-            tune_socket(sock, self._buffer_bytes)
-            sock.settimeout(None)  # a receive may legitimately wait long for its message
-            with self._lock:
-                if self._closed:
-                    sock.close()
-                    return
-                self._readers.append(sock)
-            threading.Thread(target=self._read_loop, args=(sock, peer), daemon=True,
-                             name=f"shoal-p2p-read-{self.rank}<{peer}").start()
+            threading.Thread(target=self._admit, args=(sock, addr), daemon=True,
+                             name=f"shoal-p2p-admit-{self.rank}").start()
+
+    def _admit(self, sock: socket.socket, addr: object) -> None:
+        try:
+            sock.settimeout(min(self._connect_timeout, _HANDSHAKE_S))
+            server_handshake(sock, self._secret, _ROLE)
+            (peer,) = _RANK.unpack(recv_exact(sock, _RANK.size, "peer"))
+            if not 0 <= peer < self.size or peer == self.rank:
+                raise AuthenticationError(f"claimed rank {peer}")
+        except (AuthenticationError, PeerLostError, OSError) as exc:
+            if not self._closed:
+                log.warning("rank %d: refused point-to-point connection from %s: %s",
+                            self.rank, addr, exc)
+            sock.close()
+            return
+        finally:
+            self._handshakes.release()
+        tune_socket(sock, self._buffer_bytes)
+        sock.settimeout(None)  # a receive may legitimately wait long for its message
+        with self._lock:
+            if self._closed:
+                sock.close()
+                return
+            self._readers.append(sock)
+        self._read_loop(sock, peer)
 
     def _match_posted(self, src: int, tag: int) -> _Recv | None:
         for i, r in enumerate(self._posted):  # the earliest-posted receive that matches
@@ -179,22 +221,32 @@ class PeerMessages:
             while True:
                 tag, nbytes = _HEAD.unpack(recv_exact(sock, _HEAD.size, what, src))
                 with self._lock:
-                    recv = self._match_posted(src, tag)
+                    # hold no more than the limit of unexpected bytes: past it, stop reading
+                    # (TCP then slows the sender) until a receive is posted or one is taken
+                    while (recv := self._match_posted(src, tag)) is None and \
+                            self._held_now + nbytes > self._held_limit and not self._closed:
+                        self._lock.wait(_WATCH_S)
+                    if recv is None:
+                        self._held_now += nbytes
                 if recv is not None and recv.buffer.nbytes == nbytes:
                     if nbytes:
                         recv_into_exact(sock, recv.buffer, what, src)
                     recv.handle._resolve(src)
                     continue
+                if recv is not None:  # sizes differ: the message is read, dropped, refused
+                    _discard(sock, nbytes, what, src)
+                    recv.handle._fail(_size_error(self.rank, src, tag, nbytes,
+                                                  recv.buffer.nbytes))
+                    continue
                 data = bytearray(nbytes)
                 if nbytes:
                     recv_into_exact(sock, memoryview(data), what, src)
-                if recv is not None:
-                    self._deliver(recv, _Held(src, tag, data))
-                    continue
                 with self._lock:  # a receive posted while the payload was arriving
                     recv = self._match_posted(src, tag)
                     if recv is None:
                         self._held.append(_Held(src, tag, data))
+                    else:
+                        self._held_now -= nbytes
                 if recv is not None:
                     self._deliver(recv, _Held(src, tag, data))
         except BaseException as exc:
@@ -212,10 +264,8 @@ class PeerMessages:
 
     def _deliver(self, recv: _Recv, msg: _Held) -> None:
         if len(msg.data) != recv.buffer.nbytes:
-            recv.handle._fail(ValueError(
-                f"rank {self.rank}: the message from rank {msg.src} with tag {msg.tag} has "
-                f"{len(msg.data)} bytes but the receive buffer has {recv.buffer.nbytes}; "
-                f"post a receive of the size sent"))
+            recv.handle._fail(_size_error(self.rank, msg.src, msg.tag, len(msg.data),
+                                          recv.buffer.nbytes))
             return
         recv.buffer[:] = msg.data
         recv.handle._resolve(msg.src)
@@ -224,13 +274,16 @@ class PeerMessages:
         """Receive into ``out`` (contiguous) from ``src``, or from any rank when None."""
         if src is not None:
             self._check(src, "receive from")
-        recv = _Recv(src, int(tag), _bytes(out))
+        recv = _Recv(src, int(tag), _bytes(out), P2PHandle(self._watch(src, "receive from")))
         recv.handle._withdraw = lambda: self._remove(recv)
         with self._lock:
             self._open()
             held = next((i for i, m in enumerate(self._held)
                          if m.tag == recv.tag and src in (None, m.src)), None)
             msg = self._held.pop(held) if held is not None else None
+            if msg is not None:
+                self._held_now -= len(msg.data)
+            self._lock.notify_all()  # a reader held back by the limit may match it now
             lost = self._lost.get(src) if src is not None and msg is None else None
             if msg is None and lost is None:
                 self._posted.append(recv)
@@ -252,7 +305,7 @@ class PeerMessages:
         """Send the bytes of ``data`` (contiguous; keep it unchanged until done) to ``dst``."""
         self._check(dst, "send to")
         view = _bytes(data)
-        handle = P2PHandle()
+        handle = P2PHandle(self._watch(dst, "send to"))
         with self._lock:
             self._open()
             sender = self._senders.get(dst)
@@ -294,6 +347,14 @@ class PeerMessages:
         return sock
 
     # -- bookkeeping -----------------------------------------------------------------------
+    def _watch(self, peer: int | None, what: str) -> Callable[[float], None] | None:
+        """What a handle waiting on ``peer`` asks while it waits: the heartbeat's verdict."""
+        liveness = self._liveness
+        if liveness is None or peer is None:  # any source: another rank may still send
+            return None
+        label = f"point-to-point {what} rank {peer}"
+        return lambda waited: liveness.check([peer], label, waited)
+
     def _check(self, peer: int, what: str) -> None:
         if not 0 <= peer < self.size or peer == self.rank:
             raise ValueError(f"rank {self.rank}: cannot {what} rank {peer}: it must be another "
@@ -309,6 +370,7 @@ class PeerMessages:
             if self._closed:
                 return
             self._closed = True
+            self._lock.notify_all()
             socks = [*self._out.values(), *self._readers]
             posted, self._posted = self._posted, []
             senders = list(self._senders.values())
@@ -324,6 +386,21 @@ class PeerMessages:
                                          f"receive was pending"))
         if self._acceptor is not None and self._acceptor is not threading.current_thread():
             self._acceptor.join(1.0)
+
+
+def _size_error(rank: int, src: int, tag: int, nbytes: int, room: int) -> ValueError:
+    return ValueError(f"rank {rank}: the message from rank {src} with tag {tag} has {nbytes} "
+                      f"bytes but the receive buffer has {room}; post a receive of the size "
+                      f"sent")
+
+
+def _discard(sock: socket.socket, nbytes: int, what: str, src: int) -> None:
+    """Read ``nbytes`` and drop them, never holding more than a piece at once."""
+    scratch = memoryview(bytearray(min(nbytes, _DISCARD)))
+    while nbytes > 0:
+        piece = min(nbytes, len(scratch))
+        recv_into_exact(sock, scratch[:piece], what, src)
+        nbytes -= piece
 
 
 def _bytes(array: np.ndarray) -> memoryview:
