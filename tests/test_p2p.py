@@ -101,3 +101,106 @@ def _mismatch(rank: int) -> str:
 
 def test_size_mismatch_is_typed_and_recoverable() -> None:
     assert run_ranks(_mismatch, 2) == ["ok", "ok"]
+
+
+def _send_past_a_silent_stranger(rank: int) -> float:
+    import socket
+    import time
+
+    import shoal
+    comm = shoal.communicator()
+    if rank == 1:  # a local stranger connects to rank 1's point-to-point port and says nothing
+        stranger = socket.create_connection(comm.p2p.address)
+        comm.barrier()
+        out = np.zeros(4)
+        comm.recv(out, 0, tag=3).wait(30)
+        stranger.close()
+        return float(out.sum())
+    comm.barrier()
+    time.sleep(0.2)
+    start = time.monotonic()
+    comm.send(np.ones(4), 1, tag=3).wait(30)
+    return time.monotonic() - start
+
+
+def test_a_silent_stranger_does_not_stall_sends() -> None:
+    """The handshake runs off the accept loop: the first send to rank 1 is not delayed by
+    a connection that never answers the challenge (it was: the whole start timeout)."""
+    took, got = run_ranks(_send_past_a_silent_stranger, 2, start_timeout_s=30, timeout=60)
+    assert got == 4.0
+    assert took < 5.0, f"the send waited {took:.1f}s behind the stranger"
+
+
+def _receive_from_frozen(rank: int) -> tuple:
+    import os
+    import signal
+    import time
+
+    import shoal
+    comm = shoal.communicator()
+    comm.barrier()
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return ("resumed",)
+    start = time.monotonic()
+    try:
+        comm.recv(np.zeros(2), 1).wait()  # no timeout: the heartbeat must end it
+    except shoal.PeerLostError as exc:
+        return ("lost", exc.rank, time.monotonic() - start)
+    return ("received",)
+
+
+def test_receive_from_a_frozen_peer_is_peer_lost() -> None:
+    out = run_ranks(_receive_from_frozen, 2, heartbeat_interval_s=0.3,
+                    heartbeat_timeout_s=2.0, timeout=40, expect_errors=True)
+    status, value = out[0]
+    assert status == "ok" and value[0] == "lost" and value[1] == 1, out
+
+
+def _flood(rank: int) -> tuple:
+    import time
+
+    import shoal
+    comm = shoal.communicator()
+    if rank == 0:  # 24 unexpected messages of 64 KiB each, the holding limit 256 KiB
+        handles = [comm.send(np.full(8192, float(i)), 1, tag=i) for i in range(24)]
+        time.sleep(2.0)
+        done = sum(h.done() for h in handles)
+        comm.barrier()
+        for h in handles:
+            h.wait(30)
+        return ("sent", done)
+    time.sleep(2.0)
+    held = comm.p2p._held_now
+    comm.barrier()
+    outs = [np.zeros(8192) for _ in range(24)]
+    for i, out in enumerate(outs):
+        comm.recv(out, 0, tag=i).wait(30)
+    return ("received", held, [float(o[0]) for o in outs])
+
+
+def test_unexpected_messages_are_held_up_to_a_limit() -> None:
+    sent, received = run_ranks(_flood, 2, p2p_held_bytes=256 << 10, tcp_buffer_bytes=1 << 16,
+                               timeout=60)
+    assert received[1] <= 256 << 10, received[1]
+    assert received[2] == [float(i) for i in range(24)]  # nothing lost, in order
+    assert sent[1] < 24  # the sender waited: the rest sat in its queue and the socket
+
+
+def _mismatched_size(rank: int) -> tuple:
+    import shoal
+    comm = shoal.communicator()
+    if rank == 0:
+        comm.send(np.ones(300_000), 1, tag=1).wait(30)
+        comm.send(np.full(3, 7.0), 1, tag=2).wait(30)
+        return ("sent",)
+    small = np.zeros(4)
+    with pytest.raises(ValueError, match="2400000 bytes but the receive buffer has 32"):
+        comm.recv(small, 0, tag=1).wait(30)
+    out = np.zeros(3)
+    comm.recv(out, 0, tag=2).wait(30)  # the connection still works
+    return ("ok", out.tolist())
+
+
+def test_a_message_of_the_wrong_size_is_refused_and_the_link_stays() -> None:
+    assert run_ranks(_mismatched_size, 2, timeout=60)[1] == ("ok", [7.0, 7.0, 7.0])
