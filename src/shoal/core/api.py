@@ -104,10 +104,6 @@ def init(*, rank: int | None = None, size: int | None = None, local_rank: int | 
             _state["comm"] = Communicator.create(None, 0, 1, cfg=cfg, hostname=info.hostname)
             process_sets_.bind(_state["comm"], process_sets)
             return
-        if info.secret_is_derived:
-            log.warning("SHOAL_SECRET is not set: connections are checked against a secret "
-                        "derived from the job id, which keeps jobs apart but not strangers "
-                        "out; start with shoalrun or set SHOAL_SECRET on every rank")
         _state["generation"] += 1
         if serve_store is None:
             serve_store = info.launcher != "shoalrun"
@@ -153,8 +149,11 @@ def _join(info: topology.LaunchInfo, cfg: config.Config, serving: bool,
                             rank=info.rank)
         closers.insert(0, store.close)
         bind = cfg.bind_addr or local_address(info.rendezvous_addr, info.rendezvous_port)
+        # a derived secret (none was given) only keeps jobs apart at the store: the data
+        # ports get one agreed through it instead, never written there readable
         return Communicator.create(PrefixStore(store, prefix), info.rank, info.size, cfg=cfg,
-                                   hostname=info.hostname, secret=info.secret,
+                                   hostname=info.hostname,
+                                   secret=None if info.secret_is_derived else info.secret,
                                    job_id=info.job_id, bind_addr=bind, closers=closers)
     except BaseException:
         for release in closers:

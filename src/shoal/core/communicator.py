@@ -25,12 +25,12 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from . import config, topology
-from .auth import secret_bytes
+from .auth import KeyAgreement, secret_bytes, unwrap_secret, wrap_secret
 from .collectives import Collectives
 from .comm import Transport
 from .config import Config
 from .engine import Engine
-from .errors import PeerLostError, ShoalError
+from .errors import AuthenticationError, PeerLostError, ShoalError
 from .liveness import MODES, Liveness
 from .p2p import P2PHandle, PeerMessages
 from .store import PrefixStore, Store
@@ -142,10 +142,11 @@ class Communicator(Collectives):
         """Meet ``size`` ranks through ``store`` (its keys are this communicator's alone:
         give each communicator a fresh store or :class:`PrefixStore`) as ``rank``.
 
-        ``secret`` authenticates every connection; without one, rank 0 makes one and shares
-        it through the store (so the store must be trusted). ``hostname`` decides which ranks
-        share memory (default: this machine's name, or ``SHOAL_HOSTNAME``). ``closers`` run
-        when the communicator closes (after its own resources), e.g. to close the store.
+        ``secret`` authenticates every connection; without one, rank 0 makes one and seals
+        it for each rank through the store (Diffie-Hellman: it never lies there readable).
+        ``hostname`` decides which ranks share memory (default: this machine's name, or
+        ``SHOAL_HOSTNAME``). ``closers`` run when the communicator closes (after its own
+        resources), e.g. to close the store.
         """
         cfg = config.load() if cfg is None else cfg
         if not 0 <= rank < size:
@@ -156,13 +157,15 @@ class Communicator(Collectives):
                 host), None, None), store, secret=secret or "", job_id=job_id or "local",
                 closers=closers)
         wait = cfg.start_timeout_s
+        agreement = None if secret else KeyAgreement()
         if rank == 0:
-            store.set("init", json.dumps({"uid": secrets.token_hex(4),
-                                          "secret": None if secret else secrets.token_hex(32),
-                                          "job": job_id or "job"}).encode())
+            store.set("init", json.dumps({
+                "uid": secrets.token_hex(4), "job": job_id or "job",
+                "dh": None if agreement is None else agreement.public}).encode())
         shared = json.loads(store.get("init", wait))
-        secret = secret or shared["secret"]
         uid, job_id = shared["uid"], shared["job"]  # rank 0's job id names the segments
+        if agreement is not None:
+            secret = _agree_secret(store, rank, size, agreement, shared["dh"], wait)
         key = secret_bytes(secret)
         bind = bind_addr or cfg.bind_addr or "127.0.0.1"
         resources: list[Callable[[], None]] = []
@@ -184,6 +187,8 @@ class Communicator(Collectives):
                                 "p2p": p2p.address[1], "pid": os.getpid()}).encode()
             peers = [json.loads(b) for b in store.allgather("hello", rank, size, hello, wait)]
             world = topology.World.from_hostnames(rank, [p["host"] for p in peers])
+            if agreement is not None and rank == 0:
+                _say_exposed(world)
             mesh.connect([(p["addr"], p["port"]) for p in peers], wait)
             _start_heartbeats(liveness, cfg, store, peers, wait)
             p2p.start([(p["addr"], p["p2p"]) for p in peers])
@@ -320,6 +325,43 @@ class Communicator(Collectives):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _agree_secret(store: Store, rank: int, size: int, agreement: KeyAgreement,
+                  leader: int | None, wait: float) -> str:
+    """No shared secret was given: rank 0 makes one and seals it for each rank under a key
+    agreed with that rank (Diffie-Hellman through the store), so the store never holds it
+    readable; the job secret, hex."""
+    if leader is None:
+        raise AuthenticationError(f"rank {rank}: rank 0 was given a job secret and this rank "
+                                  f"was not; set SHOAL_SECRET alike on every rank")
+    if rank != 0:
+        store.set(f"dh/{rank}", str(agreement.public).encode())
+        sealed = store.get(f"sealed/{rank}", wait)
+        return unwrap_secret(sealed, agreement.shared(leader), rank).hex()
+    job_secret = os.urandom(32)
+    for r in range(1, size):
+        peer = int(store.get(f"dh/{r}", wait))
+        store.set(f"sealed/{r}", wrap_secret(job_secret, agreement.shared(peer), r))
+    return job_secret.hex()
+
+
+_said_exposed: list[bool] = []
+
+
+def _say_exposed(world: topology.World) -> None:
+    """Once per process, on rank 0: what a job without a shared secret is exposed to."""
+    if _said_exposed:
+        return
+    _said_exposed.append(True)
+    where = (f"{world.cross_size} hosts" if world.cross_size > 1 else "one host")
+    say = log.warning if world.cross_size > 1 else log.info
+    say("no SHOAL_SECRET on %s: connections are authenticated with a key rank 0 handed out "
+        "through the rendezvous store by Diffie-Hellman. That keeps out whoever only reads "
+        "the store or watches the network, but whoever can reach the store while the job "
+        "starts can join it as a rank or stand in the middle, and tensors cross the network "
+        "unencrypted. Set SHOAL_SECRET or SHOAL_SECRET_FILE alike on every rank (shoalrun "
+        "does) to keep strangers out.", where)
 
 
 def _start_heartbeats(liveness: Liveness, cfg: Config, store: Store, peers: list[dict],

@@ -81,6 +81,8 @@ KNOBS: dict[str, Knob] = _knobs(
          "(override it to split one machine into simulated nodes)"),
     Knob("job_id", str, None, "job identifier, names shared-memory segments"),
     Knob("secret", str, None, "job secret every connection must prove (hex); shoalrun sets it"),
+    Knob("secret_file", str, None, "a file holding the job secret (a mounted Kubernetes or "
+         "SageMaker secret), read when SHOAL_SECRET is unset: it stays out of the environment"),
     Knob("rendezvous_addr", str, None, "address of the rendezvous store"),
     Knob("rendezvous_port", int, None, "port of the rendezvous store"),
     Knob("bind_addr", str, None, "address the data and store ports listen on "
@@ -171,6 +173,18 @@ def _check_names(names: Mapping[str, Any]) -> None:
             raise ConfigError(f"unknown shoal setting {name!r}{hint}")
 
 
+def _read_secret(path: str) -> str:
+    """The job secret in ``path`` (surrounding whitespace dropped)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read().strip()
+    except OSError as exc:
+        raise ConfigError(f"SHOAL_SECRET_FILE={path!r} cannot be read: {exc}") from None
+    if not text:
+        raise ConfigError(f"SHOAL_SECRET_FILE={path!r} is empty; put the job secret in it")
+    return text
+
+
 def load(environ: Mapping[str, str] | None = None, **explicit: Any) -> Config:
     """Snapshot the configuration: explicit arguments > overrides > ``SHOAL_*`` > defaults."""
     env = os.environ if environ is None else environ
@@ -187,6 +201,8 @@ def load(environ: Mapping[str, str] | None = None, **explicit: Any) -> Config:
         values[name] = value
     values.update(_overrides)
     values.update({k: v for k, v in explicit.items() if v is not None})
+    if not values.get("secret") and values.get("secret_file"):
+        values["secret"] = _read_secret(values["secret_file"])
     for var in env:
         if var.startswith("SHOAL_") and var not in _ENV_TO_KNOB:
             close = difflib.get_close_matches(var, _ENV_TO_KNOB, n=1)
