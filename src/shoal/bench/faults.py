@@ -29,6 +29,9 @@ from typing import Any
 
 import numpy as np
 
+from .fault_actions import ACTIONS as _MORE
+from .faults_common import fault_now, record, wait_for_loss
+
 __all__ = ["SCENARIOS", "add_arguments", "run", "worker_main"]
 
 
@@ -41,6 +44,7 @@ class Scenario:
     ranks: int
     hosts: tuple[str, ...] = ()
     netns: bool = False
+    drop_udp: bool = False  # the emulated hosts pass TCP only
     expect: str = "detected"  # "detected": survivors raise; "continues": the job finishes
     settings: dict[str, str] = field(default_factory=dict)
 
@@ -57,6 +61,27 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              "heartbeat UDP, data listener)", 3, expect="continues"),
     Scenario("busy-rank", "a live rank busy for 3x the heartbeat timeout while the others "
              "wait", 2, expect="continues"),
+    Scenario("udp-dropped", "UDP dropped between 2 emulated hosts (TCP passes); a rank idles "
+             "1.5x the heartbeat timeout while the others wait", 4, ("a", "a", "b", "b"),
+             netns=True, drop_udp=True, expect="continues"),
+    Scenario("strangers-every-port", "a silent stranger (held open), HTTP and garbage on every "
+             "TCP port and garbage on every UDP port each rank's own sockets listen on "
+             "(found in /proc: store, data, heartbeat, point-to-point)", 3, expect="continues"),
+    Scenario("replayed-heartbeat", "a rank frozen while its recorded heartbeats are replayed "
+             "to the others", 3, ("a", "a", "b")),
+    Scenario("sigstop-during-recv", "SIGSTOP of the peer a point-to-point receive (no "
+             "timeout) waits on", 2),
+    Scenario("async-held-computing", "rank 0 holds allreduce_async(A) and computes 3 s, then "
+             "B; rank 1 does B, then A (stall warning 1 s)", 2, expect="continues",
+             settings={"SHOAL_STALL_WARNING_S": "1"}),
+    Scenario("bad-argument", "a bad argument (an object array) on one rank, caught; then "
+             "unnamed collectives on every rank", 3, expect="continues",
+             settings={"SHOAL_STALL_SHUTDOWN_S": "20"}),
+    *(Scenario(f"{sig}-{work}", f"{text} of a rank of host b during a {what} (2 emulated "
+               f"hosts x 2 ranks, netns)", 4, ("a", "a", "b", "b"), netns=True)
+      for sig, text in (("kill9", "kill -9"), ("sigstop", "SIGSTOP"))
+      for work, what in (("hierarchical", "hierarchical allreduce of 4 MiB"),
+                         ("sharded", "sharded-optimizer (Adam) step"))),
     *(Scenario(f"mismatch-{kind}", f"ranks disagree: {text}", 3, expect="continues",
                settings={"SHOAL_STALL_WARNING_S": "5"})
       for kind, text in (("shape", "shape"), ("dtype", "dtype"), ("op", "reduction op"),
@@ -74,25 +99,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 # -- inside a rank ---------------------------------------------------------------------------
-def _record(folder: str, rank: int, **values: Any) -> None:
-    with open(os.path.join(folder, f"rank{rank}.json"), "w") as f:
-        json.dump({"t": time.time(), **values}, f)
-
-
-def _fault_now(folder: str) -> None:
-    with open(os.path.join(folder, "fault.json"), "w") as f:
-        json.dump({"t": time.time()}, f)
-
-
-def _wait_for_loss(shoal: Any, folder: str, rank: int) -> None:
-    start = time.time()
-    try:
-        while time.time() - start < 90:
-            shoal.allreduce(np.ones(1024, np.float32), name="after.fault")
-            time.sleep(0.01)
-        _record(folder, rank, outcome="no error within 90 s")
-    except shoal.ShoalError as exc:
-        _record(folder, rank, outcome="raised", error=type(exc).__name__, message=str(exc))
 
 
 def _victim_signal(sig: int) -> Callable[[Any, str, int, Any], None]:
@@ -101,10 +107,10 @@ def _victim_signal(sig: int) -> Callable[[Any, str, int, Any], None]:
         shoal.barrier()
         if rank == victim:
             time.sleep(0.5)  # the survivors are inside their collective by now
-            _fault_now(folder)
+            fault_now(folder)
             os.kill(os.getpid(), sig)
             time.sleep(120)
-        _wait_for_loss(shoal, folder, rank)
+        wait_for_loss(shoal, folder, rank)
     return act
 
 
@@ -112,9 +118,9 @@ def _cut_link(shoal: Any, folder: str, rank: int, args: Any) -> None:
     shoal.barrier()
     if rank == 1:
         time.sleep(0.5)
-        _fault_now(folder)
+        fault_now(folder)
         subprocess.run(["ip", "link", "set", "dev", args.device, "down"], check=True)
-    _wait_for_loss(shoal, folder, rank)
+    wait_for_loss(shoal, folder, rank)
 
 
 def _strangers(shoal: Any, folder: str, rank: int, args: Any) -> None:
@@ -144,7 +150,7 @@ def _strangers(shoal: Any, folder: str, rank: int, args: Any) -> None:
     for i in range(20):
         got = shoal.allreduce(np.full(100, float(rank + i)), shoal.Sum, name="after.strangers")
         assert np.all(got == sum(range(n)) + n * i)
-    _record(folder, rank, outcome="continued", tried=tried)
+    record(folder, rank, outcome="continued", tried=tried)
 
 
 def _busy(shoal: Any, folder: str, rank: int, args: Any) -> None:
@@ -154,7 +160,7 @@ def _busy(shoal: Any, folder: str, rank: int, args: Any) -> None:
         time.sleep(3 * shoal.communicator().cfg.heartbeat_timeout_s)
     got = shoal.allreduce(np.ones(4), shoal.Sum, name="after.busy")
     assert got.tolist() == [2.0] * 4
-    _record(folder, rank, outcome="continued", waited=time.time() - start)
+    record(folder, rank, outcome="continued", waited=time.time() - start)
 
 
 def _mismatch(kind: str) -> Callable[[Any, str, int, Any], None]:
@@ -178,7 +184,7 @@ def _mismatch(kind: str) -> Callable[[Any, str, int, Any], None]:
             outcome, error, message = "raised", type(exc).__name__, str(exc)
         detected = time.time() - start
         ok = shoal.allreduce(np.ones(3), shoal.Sum, name="m").tolist() == [shoal.size()] * 3
-        _record(folder, rank, outcome=outcome, error=error, message=message,
+        record(folder, rank, outcome=outcome, error=error, message=message,
                 detected_s=detected, next_collective_ok=ok)
     return act
 
@@ -191,6 +197,7 @@ _ACTIONS: dict[str, Callable[[Any, str, int, Any], None]] = {
     "cut-link": _cut_link, "strangers": _strangers, "busy-rank": _busy,
     **{name: _mismatch(name.split("-", 1)[1]) for name in SCENARIOS
        if name.startswith("mismatch-")},
+    **_MORE,
 }
 
 
@@ -233,7 +240,8 @@ def _run_scenario(sc: Scenario, timeout: float) -> dict[str, Any]:
         cluster = None
         if sc.netns:
             try:
-                cluster = stack.enter_context(EmulatedCluster(2, "1gbit"))
+                cluster = stack.enter_context(EmulatedCluster(2, "1gbit",
+                                                              drop_udp=sc.drop_udp))
             except ClusterUnavailableError as exc:
                 return {"outcome": "not run", "why": str(exc)}
             addr = cluster.addresses[0]
@@ -246,7 +254,7 @@ def _run_scenario(sc: Scenario, timeout: float) -> dict[str, Any]:
             argv = [sys.executable, "-m", "shoal.bench.faults", "--rank", str(rank),
                     "--host", host, *common]
             if cluster is not None:
-                node = sc.hosts.index(host)
+                node = list(dict.fromkeys(sc.hosts)).index(host)
                 argv = cluster.command(node, [*argv, "--device", cluster.devices[node]])
             commands.append(argv)
         start = time.time()

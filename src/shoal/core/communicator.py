@@ -383,6 +383,7 @@ def _start_heartbeats(liveness: Liveness, cfg: Config, store: Store, peers: list
         "heartbeat", me, size, json.dumps(missing).encode(), wait)]
     deaf = {r: m for r, m in enumerate(verdicts) if m}
     if not deaf:
+        liveness.keep_udp()
         return
     liveness.use_tcp()
     if me == 0:

@@ -70,6 +70,7 @@ class Liveness:
         self._listener.setblocking(False)
         self.tcp_address: tuple[str, int] = self._listener.getsockname()[:2]
         self.mode = "udp"
+        self.sent = 0
         self._peers: dict[int, tuple[str, int]] = {}
         self._seen: dict[int, float] = {}
         self._seq: dict[int, int] = {}  # the highest sequence accepted from each peer
@@ -120,6 +121,13 @@ class Liveness:
         self._spawn(self._loop, "shoal-heartbeat")
         if mode == "tcp":
             self.use_tcp()
+        elif mode == "udp":
+            self.keep_udp()
+
+    def keep_udp(self) -> None:
+        """UDP it is: close the TCP heartbeat port, so no unused port stays open."""
+        with contextlib.suppress(OSError):
+            self._listener.close()
 
     def udp_heard_all(self, within: float) -> list[int]:
         """Wait up to ``within`` seconds to hear every peer over UDP; the peers not heard."""
@@ -155,6 +163,7 @@ class Liveness:
             now = time.monotonic()
             if now >= next_send:
                 seq += 1
+                self.sent = seq  # the last sequence number sent (the replay scenario reads it)
                 packet = self._packet(seq)
                 if self.mode == "udp":
                     for addr in self._peers.values():
