@@ -1,5 +1,5 @@
 """Arbitrary bytes on the wire protocols (issue 30): the store, the heartbeat, the data
-handshake and the point-to-point header. Whatever a peer sends never crashes a rank, never
+listener and the point-to-point header. Whatever a peer sends never crashes a rank, never
 makes it allocate more than a bounded amount, and never changes a result."""
 
 from __future__ import annotations
@@ -117,6 +117,51 @@ def test_store_frames_after_the_handshake(store, blob: bytes) -> None:
             pass
     assert client.get("kept", 5) == b"value"
     assert threading.active_count() < 200
+
+
+# -- the data listener (open while the mesh forms) ---------------------------------------------
+@settings(max_examples=12, deadline=None)
+@given(st.lists(st.binary(max_size=300), min_size=1, max_size=4), st.booleans())
+def test_data_listener_forms_the_mesh_past_strangers(blobs: list[bytes], silent: bool) -> None:
+    """Strangers that connect to rank 0's data listener before rank 1 (garbage, or a silent
+    one that stays connected) delay nothing: the mesh forms and carries the right bytes."""
+    from shoal.core.transport.tcp import TcpMesh
+    meshes = [TcpMesh(r, 2, SECRET, timeout=10, buffer_bytes=1 << 16, bind_addr="127.0.0.1")
+              for r in range(2)]
+    strangers = []
+    for blob in blobs:
+        s = socket.create_connection(meshes[0].address, timeout=2)
+        s.sendall(blob)
+        strangers.append(s)
+    if silent:
+        strangers.append(socket.create_connection(meshes[0].address, timeout=2))
+    addresses = [m.address for m in meshes]
+    errors: list[BaseException] = []
+
+    def form(m: TcpMesh) -> None:
+        try:
+            m.connect(addresses, 3.0)  # below a stranger's handshake time (5 s)
+        except BaseException as exc:
+            errors.append(exc)
+    threads = [threading.Thread(target=form, args=(m,)) for m in meshes]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(15)
+    try:
+        assert not errors, errors
+        got = np.zeros(7)
+        sent = np.arange(7.0) * 3
+        sender = threading.Thread(target=meshes[1].send, args=(0, memoryview(sent)))
+        sender.start()
+        meshes[0].recv_into(1, memoryview(got))
+        sender.join(5)
+        assert got.tolist() == sent.tolist()
+    finally:
+        for s in strangers:
+            s.close()
+        for m in meshes:
+            m.close()
 
 
 # -- the point-to-point header -----------------------------------------------------------------

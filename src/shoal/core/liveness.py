@@ -32,9 +32,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from .auth import client_handshake, server_handshake
 from .errors import AuthenticationError, PeerLostError
-from .netutil import recv_exact
+from .netutil import admit_all, introduce, recv_exact
 
 __all__ = ["MODES", "PACKET_BYTES", "Liveness"]
 
@@ -44,7 +43,6 @@ _TAG = 16
 PACKET_BYTES = _PACKET.size + _TAG
 MODES = ("auto", "udp", "tcp")
 _ROLE = b"heartbeat"
-_RANK = struct.Struct("!I")
 _HANDSHAKE_S = 5.0
 
 
@@ -202,42 +200,17 @@ class Liveness:
 
     # -- tcp -------------------------------------------------------------------------------
     def _accept_loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                ready, _, _ = select.select([self._listener], [], [], 0.25)
-                if not ready:
-                    continue
-                sock, addr = self._listener.accept()
-            except (BlockingIOError, InterruptedError):
-                continue
-            except (OSError, ValueError):
-                return
-            self._spawn(lambda sock=sock, addr=addr: self._admit(sock, addr),
-                        "shoal-heartbeat-admit", joined=False)
-
-    def _admit(self, sock: socket.socket, addr: object) -> None:
-        try:
-            sock.setblocking(True)
-            sock.settimeout(_HANDSHAKE_S)
-            server_handshake(sock, self._secret, _ROLE)
-            (peer,) = _RANK.unpack(recv_exact(sock, _RANK.size, "peer"))
-            if peer not in self._tcp_peers or peer <= self.rank:
-                raise AuthenticationError(f"claimed rank {peer}")
-        except (AuthenticationError, PeerLostError, OSError) as exc:
-            if not self._stop.is_set():
-                log.warning("rank %d: refused heartbeat connection from %s: %s", self.rank,
-                            addr, exc)
-            sock.close()
-            return
-        self._serve(peer, sock)
+        admit_all(self._listener, self._secret, _ROLE, rank=self.rank, what="heartbeat",
+                  valid=lambda peer: peer in self._tcp_peers and peer > self.rank,
+                  on_peer=lambda sock, peer: self._serve(peer, sock),
+                  stopped=self._stop.is_set, handshake_s=_HANDSHAKE_S)
 
     def _dial(self, peer: int, addr: tuple[str, int]) -> None:
         delay = 0.05
         while not self._stop.is_set():
             try:
                 sock = socket.create_connection(addr, timeout=_HANDSHAKE_S)
-                client_handshake(sock, self._secret, _ROLE)
-                sock.sendall(_RANK.pack(self.rank))
+                introduce(sock, self._secret, _ROLE, self.rank)
             except (OSError, AuthenticationError, PeerLostError) as exc:
                 log.debug("rank %d: heartbeat connection to rank %d: %s", self.rank, peer, exc)
                 self._stop.wait(delay)

@@ -30,16 +30,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .auth import client_handshake, server_handshake
-from .errors import AuthenticationError, PeerLostError, RendezvousError, ShoalTimeoutError
+from .errors import PeerLostError, RendezvousError, ShoalTimeoutError
 from .liveness import Liveness
-from .netutil import dial_until, recv_exact, recv_into_exact, tune_socket
+from .netutil import admit_all, dial_until, introduce, recv_exact, recv_into_exact, tune_socket
 
 __all__ = ["P2PHandle", "PeerMessages"]
 
 log = logging.getLogger("shoal.p2p")
 _ROLE = b"p2p"
-_RANK = struct.Struct("!I")
 _HEAD = struct.Struct("!qQ")  # tag, payload bytes
 _SMALL = 1 << 16  # payloads up to this size are copied to go out with their header
 _WATCH_S = 0.25  # how often a waiting handle asks the heartbeat about its peer
@@ -139,7 +137,6 @@ class PeerMessages:
         self._liveness = liveness
         self._held_limit = held_bytes  # unexpected messages held at once, in bytes
         self._held_now = 0
-        self._handshakes = threading.BoundedSemaphore(_MAX_HANDSHAKES)
         self._secret = secret
         self._timeout = timeout
         self._connect_timeout = connect_timeout
@@ -167,39 +164,13 @@ class PeerMessages:
 
     # -- receiving -------------------------------------------------------------------------
     def _accept_loop(self) -> None:
-        """Accept, and prove each connection on a thread of its own: a stranger that
-        connects and stays silent holds only its own thread, for at most a few seconds."""
-        while not self._closed:
-            try:
-                sock, addr = self._listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            if not self._handshakes.acquire(blocking=False):
-                log.warning("rank %d: refused point-to-point connection from %s: %d "
-                            "connections are already proving themselves", self.rank, addr,
-                            _MAX_HANDSHAKES)
-                sock.close()
-                continue
-            threading.Thread(target=self._admit, args=(sock, addr), daemon=True,
-                             name=f"shoal-p2p-admit-{self.rank}").start()
+        admit_all(self._listener, self._secret, _ROLE, rank=self.rank, what="point-to-point",
+                  valid=lambda peer: 0 <= peer < self.size and peer != self.rank,
+                  on_peer=self._admitted, stopped=lambda: self._closed,
+                  handshake_s=min(self._connect_timeout, _HANDSHAKE_S),
+                  max_pending=_MAX_HANDSHAKES)
 
-    def _admit(self, sock: socket.socket, addr: object) -> None:
-        try:
-            sock.settimeout(min(self._connect_timeout, _HANDSHAKE_S))
-            server_handshake(sock, self._secret, _ROLE)
-            (peer,) = _RANK.unpack(recv_exact(sock, _RANK.size, "peer"))
-            if not 0 <= peer < self.size or peer == self.rank:
-                raise AuthenticationError(f"claimed rank {peer}")
-        except (AuthenticationError, PeerLostError, OSError) as exc:
-            if not self._closed:
-                log.warning("rank %d: refused point-to-point connection from %s: %s",
-                            self.rank, addr, exc)
-            sock.close()
-            return
-        finally:
-            self._handshakes.release()
+    def _admitted(self, sock: socket.socket, peer: int) -> None:
         tune_socket(sock, self._buffer_bytes)
         sock.settimeout(None)  # a receive may legitimately wait long for its message
         with self._lock:
@@ -336,8 +307,7 @@ class PeerMessages:
                           self._connect_timeout, f"rank {self.rank}: cannot open a "
                           f"point-to-point connection to rank {dst}")
         tune_socket(sock, self._buffer_bytes)
-        client_handshake(sock, self._secret, _ROLE)
-        sock.sendall(_RANK.pack(self.rank))
+        introduce(sock, self._secret, _ROLE, self.rank)
         sock.settimeout(self._timeout)
         with self._lock:
             if self._closed:

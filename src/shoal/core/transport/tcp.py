@@ -18,21 +18,18 @@ import contextlib
 import logging
 import selectors
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
 
-from ..auth import client_handshake, server_handshake
-from ..errors import AuthenticationError, PeerLostError, RendezvousError, ShoalError
+from ..errors import PeerLostError, RendezvousError, ShoalError
 from ..liveness import Liveness
-from ..netutil import dial_until, recv_exact, tune_socket
+from ..netutil import admit_all, dial_until, introduce, tune_socket
 
 __all__ = ["TcpMesh"]
 
 log = logging.getLogger("shoal.transport.tcp")
 _ROLE = b"data"
-_RANK = struct.Struct("!I")
 
 
 class TcpMesh:
@@ -56,17 +53,14 @@ class TcpMesh:
     def connect(self, addresses: Sequence[tuple[str, int]], start_timeout: float) -> None:
         """Accept from higher ranks and connect to lower ones; bounded by ``start_timeout``."""
         expected = set(range(self.rank + 1, self.size))
-        errors: list[BaseException] = []
-        acceptor = threading.Thread(target=self._accept_all, args=(expected, start_timeout,
-                                                                   errors), daemon=True)
+        acceptor = threading.Thread(target=self._accept_all, args=(expected, start_timeout),
+                                    daemon=True)
         acceptor.start()
         deadline = time.monotonic() + start_timeout
         for peer in range(self.rank):
             self._socks[peer] = self._dial(peer, addresses[peer], deadline)
         acceptor.join(max(0.0, deadline - time.monotonic()) + 1.0)
         self._listener.close()
-        if errors:
-            raise errors[0]
         missing = sorted(set(range(self.size)) - {self.rank} - set(self._socks))
         if missing:
             raise RendezvousError(f"rank {self.rank}: ranks {missing} never opened their data "
@@ -78,44 +72,32 @@ class TcpMesh:
         sock = dial_until(addr, deadline, self.timeout,
                           f"rank {self.rank}: cannot connect to rank {peer}")
         tune_socket(sock, self._buffer_bytes)
-        client_handshake(sock, self._secret, _ROLE)
-        sock.sendall(_RANK.pack(self.rank))
+        introduce(sock, self._secret, _ROLE, self.rank)
         return sock
 
-    def _accept_all(self, expected: set[int], start_timeout: float,
-                    errors: list[BaseException]) -> None:
+    def _accept_all(self, expected: set[int], start_timeout: float) -> None:
+        """Take one proven connection from each higher rank (each proves itself on its own
+        thread, so a silent stranger delays none of them), until all came or time is up."""
         deadline = time.monotonic() + start_timeout
         pending = set(expected)
-        while pending:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return
-            self._listener.settimeout(left)
-            try:
-                sock, peer_addr = self._listener.accept()
-            except TimeoutError:
-                return
-            except OSError as exc:
-                errors.append(exc)
-                return
-            sock.settimeout(min(5.0, self.timeout))
-            try:
-                server_handshake(sock, self._secret, _ROLE)
-                (peer,) = _RANK.unpack(recv_exact(sock, _RANK.size, "peer"))
-            except (AuthenticationError, PeerLostError, TimeoutError, OSError) as exc:
-                log.warning("rank %d: refused data connection from %s:%s: %s", self.rank,
-                            peer_addr[0], peer_addr[1], exc)
-                sock.close()
-                continue
-            if peer not in pending:
-                log.warning("rank %d: refused data connection claiming rank %d from %s",
-                            self.rank, peer, peer_addr)
-                sock.close()
-                continue
-            tune_socket(sock, self._buffer_bytes)
-            sock.settimeout(self.timeout)
-            self._socks[peer] = sock
-            pending.discard(peer)
+        lock = threading.Lock()
+
+        def admitted(sock: socket.socket, peer: int) -> None:
+            with lock:
+                if peer not in pending:  # a second connection claiming the same rank
+                    log.warning("rank %d: refused a second data connection claiming rank %d",
+                                self.rank, peer)
+                    sock.close()
+                    return
+                tune_socket(sock, self._buffer_bytes)
+                sock.settimeout(self.timeout)
+                self._socks[peer] = sock
+                pending.discard(peer)
+
+        admit_all(self._listener, self._secret, _ROLE, rank=self.rank, what="data",
+                  valid=lambda peer: peer in expected, on_peer=admitted,
+                  stopped=lambda: not pending or time.monotonic() > deadline,
+                  handshake_s=min(5.0, self.timeout))
 
     # -- transfers -------------------------------------------------------------------------
     def exchange(self, sends: Sequence[tuple[int, memoryview]],
