@@ -40,35 +40,70 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
                               process_set: Any = None) -> None:
     """Make every rank's optimizer state (moments, steps, hyper-parameters) the root's.
 
-    A new optimizer has no state yet; as Horovod does, it gets zero gradients (sparse ones
-    for ``SparseAdam`` and for sparse embeddings of ``model`` under SGD) and one step of the
-    wrapped optimizer, so that the state exists and has the same structure everywhere."""
+    A new optimizer has no state yet; as in Horovod, state of the same structure is created
+    everywhere first (a step on zero gradients), but here it stays fresh: step counts and
+    moments back at their start, so the first real step is a first step."""
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("cannot broadcast torch.optim.LBFGS state (its state is not a "
                          "tensor structure); rebuild it on every rank instead")
     inner = getattr(optimizer, "_inner", optimizer)  # the step of the wrapped optimizer only
     if not inner.state_dict()["state"]:
-        # one step on zero gradients creates the state; the parameters and the gradients are
-        # put back afterwards (a leftover gradient, or weight decay, must not move them)
-        sparse = {id(p) for m in (model.modules() if model is not None else ())
-                  if isinstance(m, torch.nn.Embedding) and m.sparse for p in m.parameters()}
-        kept = []
-        for group in inner.param_groups:
-            for p in group["params"]:
-                if p.requires_grad:
-                    kept.append((p, p.detach().clone(), p.grad))
-                    p.grad = torch.zeros_like(p)
-                    if isinstance(inner, torch.optim.SparseAdam) or (
-                            isinstance(inner, torch.optim.SGD) and id(p) in sparse):
-                        p.grad = p.grad.to_sparse()
-        inner.step()
-        with torch.no_grad():
-            for p, data, grad in kept:
-                p.copy_(data)
-                p.grad = grad
+        _create_fresh_state(inner, model)
     state = broadcast_object(optimizer.state_dict(), root_rank,
                              name="shoal.torch.optimizer_state", process_set=process_set)
     optimizer.load_state_dict(state)
+
+
+# A state tensor created by a step on zero gradients goes back to its value before any step:
+# zero, except these (by key), which a fresh optimizer starts elsewhere.
+_START = {
+    "mu_product": lambda group: 1.0,                                  # NAdam
+    "mu": lambda group: 1.0,                                          # ASGD
+    "eta": lambda group: group["lr"],                                 # ASGD
+    "step_size": lambda group: group["lr"],                           # Rprop
+    "sum": lambda group: group.get("initial_accumulator_value", 0.0),  # Adagrad
+}
+
+
+def _create_fresh_state(inner: torch.optim.Optimizer, model: torch.nn.Module | None) -> None:
+    """Give a new optimizer state of the right structure that still acts fresh: one step on
+    zero gradients (sparse ones for ``SparseAdam`` and for sparse embeddings of ``model``
+    under SGD), then every created value put back to where a fresh optimizer starts (step
+    counts 0, moments 0, SGD's momentum buffer absent), and the parameters restored (weight
+    decay must not move them). As in Horovod, a parameter that had no gradient keeps the
+    zero one; one that had a gradient gets it back."""
+    sparse = {id(p) for m in (model.modules() if model is not None else ())
+              if isinstance(m, torch.nn.Embedding) and m.sparse for p in m.parameters()}
+    kept = []
+    for group in inner.param_groups:
+        for p in group["params"]:
+            if p.requires_grad:
+                kept.append((p, p.detach().clone(), p.grad))
+                p.grad = torch.zeros_like(p)
+                if isinstance(inner, torch.optim.SparseAdam) or (
+                        isinstance(inner, torch.optim.SGD) and id(p) in sparse):
+                    p.grad = p.grad.to_sparse()
+    inner.step()
+    with torch.no_grad():
+        for p, data, grad in kept:
+            p.copy_(data)
+            if grad is not None:
+                p.grad = grad
+        for group in inner.param_groups:
+            for p in group["params"]:
+                _reset(inner.state.get(p), group, isinstance(inner, torch.optim.SGD))
+
+
+def _reset(state: dict[str, Any] | None, group: dict[str, Any], sgd: bool) -> None:
+    for key, value in list((state or {}).items()):
+        if sgd and key == "momentum_buffer":
+            state[key] = None  # absent: the first real step starts it from the gradient
+        elif isinstance(value, torch.Tensor):
+            start = _START[key](group) if key in _START else 0.0
+            if value.numel():
+                value.fill_(start)
+        elif key == "step" and isinstance(value, (int, float)):
+            state[key] = type(value)(0)
 
 
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
