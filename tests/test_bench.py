@@ -178,7 +178,7 @@ def test_tiny_soak_checks_every_result(tmp_path) -> None:
 def test_faults_detected_and_reported(tmp_path) -> None:
     out = tmp_path / "benchmarks" / "faults.json"
     proc = _shoal("bench", "faults", "--only", "kill9-same-host", "mismatch-names",
-                  "strangers", "checkpoint-kill", "--out", str(out), timeout=300)
+                  "strangers-every-port", "checkpoint-kill", "--out", str(out), timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:] + proc.stdout[-2000:]
     scenarios = json.loads(out.read_text())["scenarios"]
     assert all(s["ok"] for s in scenarios.values()), scenarios

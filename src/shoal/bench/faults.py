@@ -57,8 +57,6 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("sigstop-across-hosts", "SIGSTOP of a rank on another host", 3, ("a", "a", "b")),
     Scenario("cut-link", "the link between two emulated hosts taken down (netns, root)", 2,
              ("a", "b"), netns=True),
-    Scenario("strangers", "a stranger and garbage on every listening port (store TCP, "
-             "heartbeat UDP, data listener)", 3, expect="continues"),
     Scenario("busy-rank", "a live rank busy for 3x the heartbeat timeout while the others "
              "wait", 2, expect="continues"),
     Scenario("udp-dropped", "UDP dropped between 2 emulated hosts (TCP passes); a rank idles "
@@ -123,36 +121,6 @@ def _cut_link(shoal: Any, folder: str, rank: int, args: Any) -> None:
     wait_for_loss(shoal, folder, rank)
 
 
-def _strangers(shoal: Any, folder: str, rank: int, args: Any) -> None:
-    comm = shoal.communicator()
-    ports = [("heartbeat UDP", comm.liveness.address)]
-    if rank == 0:
-        ports.append(("store TCP", ("127.0.0.1", args.port)))
-    ports.append(("data listener TCP", comm.transport.mesh.address))
-    tried = []
-    for what, addr in ports:
-        for payload in (b"", b"GET / HTTP/1.0\r\n\r\n", os.urandom(4096)):
-            if "UDP" in what:
-                with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-                    s.sendto(payload or b"\0", addr)
-                tried.append(f"{what}: datagram of {len(payload)} bytes")
-                continue
-            try:
-                with socket.create_connection(addr, timeout=2) as s:
-                    s.sendall(payload)
-                    s.settimeout(2)
-                    with contextlib.suppress(OSError):
-                        s.recv(64)
-                tried.append(f"{what}: connection with {len(payload)} bytes")
-            except OSError as exc:
-                tried.append(f"{what}: {type(exc).__name__} (closed after set-up)")
-    n = shoal.size()
-    for i in range(20):
-        got = shoal.allreduce(np.full(100, float(rank + i)), shoal.Sum, name="after.strangers")
-        assert np.all(got == sum(range(n)) + n * i)
-    record(folder, rank, outcome="continued", tried=tried)
-
-
 def _busy(shoal: Any, folder: str, rank: int, args: Any) -> None:
     shoal.barrier()
     start = time.time()
@@ -194,7 +162,7 @@ _ACTIONS: dict[str, Callable[[Any, str, int, Any], None]] = {
     "kill9-across-hosts": _victim_signal(signal.SIGKILL),
     "sigstop-same-host": _victim_signal(signal.SIGSTOP),
     "sigstop-across-hosts": _victim_signal(signal.SIGSTOP),
-    "cut-link": _cut_link, "strangers": _strangers, "busy-rank": _busy,
+    "cut-link": _cut_link, "busy-rank": _busy,
     **{name: _mismatch(name.split("-", 1)[1]) for name in SCENARIOS
        if name.startswith("mismatch-")},
     **_MORE,

@@ -57,6 +57,8 @@ def _soak(data: dict[str, Any]) -> list[str]:
              f"{data.get('name_cache_size', data['ranks'][0]['cache_limit'])} names so that "
              f"evictions happen"
              + (f", {small[0]} collectives completed in the one-round small path"
+                + (" (a one-host path: across hosts every collective takes the general one)"
+                   if hosts > 1 else "")
                 if small[0] is not None else "") + ".", "",
              "| rank | wrong results | injected errors raised | RSS after warm-up -> end "
              "(range of the samples) | name cache after warm-up -> end (limit) |",
