@@ -70,7 +70,8 @@ def _fresh(rank: int, name: str) -> dict[str, float]:
         ref_opt.zero_grad()
         _loss(ref, sparse, step, list(range(n))).backward()
         ref_opt.step()
-    err = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
+    err = max((a - b).abs().max().item()
+              for a, b in zip(model.parameters(), ref.parameters(), strict=True))
     return {"err": err, "max_step": max(steps, default=0.0), "grads_zero": grads_zero}
 
 
