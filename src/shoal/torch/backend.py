@@ -12,16 +12,19 @@ the group's call counter modulo a window: c10d has every rank issue a group's ca
 same order, so ranks agree on names, the engine's name cache stays bounded, and ranks that
 disagree on a call's kind, shape or dtype get :class:`shoal.CollectiveMismatchError`.
 
-allreduce, reduce, broadcast, reduce-scatter and barrier are asynchronous (they overlap
-computation); allgather, all-to-all, gather and scatter finish before returning. Futures are
-completed on a small pool, never on shoal's engine thread, so callbacks (DDP comm hooks) may
-issue and wait on collectives (a work done at submission, in a group of one, completes on the
-caller's thread). Every group (the default one, ``new_group`` subsets) is its own
-shoal communicator, met through the c10d store torch hands over, so any ``init_method`` and
-any launcher (or none) works; under torchrun each restart meets on keys of its own. send/recv
-(any source too) go over the group's own point-to-point connections (see
-:mod:`shoal.core.p2p`). ``register()`` also lets ``dist.monitored_barrier``, which refuses
-every backend not named gloo, through to groups of this backend.
+Every collective is asynchronous: the call submits shoal collectives and returns a Work at
+once; the engine runs them in the order all ranks agree on, so groups never wait on each
+other (two groups' all_gathers issued in opposite orders on two ranks both complete), and
+FSDP's prefetched all-gathers overlap compute. Every wait is bounded by the group's timeout
+(or the one ``wait`` gets), and raises ``DistBackendError`` saying "Timed out", as gloo
+does. Futures are completed on a small pool, never on shoal's engine thread, so callbacks
+(DDP comm hooks) may issue and wait on collectives (a work done at submission, in a group of
+one, completes on the caller's thread). Every group (the default one, ``new_group`` subsets)
+is its own shoal communicator, met through the c10d store torch hands over, so any
+``init_method`` and any launcher (or none) works; under torchrun each restart meets on keys
+of its own. send/recv (any source too) go over the group's own point-to-point connections
+(see :mod:`shoal.core.p2p`). ``register()`` also lets ``dist.monitored_barrier``, which
+refuses every backend not named gloo, through to groups of this backend.
 """
 
 from __future__ import annotations
@@ -127,9 +130,6 @@ class ShoalProcessGroup(dist.ProcessGroup):
                 self._slots[slot] = work
         return work
 
-    def _done(self, value: Any, tensors: Sequence[torch.Tensor] = ()) -> ShoalWork:
-        return ShoalWork((), lambda: value, [t.device for t in tensors], self._timeout)
-
     # -- reductions ------------------------------------------------------------------------
     @staticmethod
     def _op(op: dist.ReduceOp) -> tuple[Any, float]:
@@ -185,21 +185,30 @@ class ShoalProcessGroup(dist.ProcessGroup):
         if _OPS[kind] not in (shoal.Sum, shoal.Average):
             raise NotImplementedError(f"rank {self.rank()}: sparse all_reduce supports SUM, "
                                       f"AVG and PREMUL_SUM, not {kind}")
-        _, names = self._names(2 * len(tensors))
+        slot, names = self._names(2 * len(tensors))
+        parts, handles = [], []
         for i, tensor in enumerate(tensors):
             t = tensor.coalesce()
             idx = t.indices().t().contiguous()
             vals = t.values().contiguous()
-            st = stage(idx)
-            got_idx = result_tensor(self._gather_staged(st, names[2 * i]), idx, False)
-            st = stage(vals)
-            got_vals = result_tensor(self._gather_staged(st, names[2 * i + 1]), vals, st.bf16)
-            total = torch.sparse_coo_tensor(got_idx.t(), got_vals * prescale,
-                                            t.size()).coalesce()
-            if _OPS[kind] is shoal.Average:
-                total = total / self.size()
-            tensor.copy_(total)
-        return self._done(list(tensors))
+            for j, part in enumerate((idx, vals)):
+                st = stage(part)
+                parts.append((part, st.bf16))
+                handles.append(self._comm.allgather_async(st.array, name=names[2 * i + j],
+                                                          ready=st.ready))
+
+        def finish() -> list[torch.Tensor]:
+            for i, tensor in enumerate(tensors):
+                (idx, _), (vals, bf16) = parts[2 * i], parts[2 * i + 1]
+                got_idx = result_tensor(handles[2 * i].wait(0), idx, False)
+                got_vals = result_tensor(handles[2 * i + 1].wait(0), vals, bf16)
+                total = torch.sparse_coo_tensor(got_idx.t(), got_vals * prescale,
+                                                tensor.size()).coalesce()
+                if _OPS[kind] is shoal.Average:
+                    total = total / self.size()
+                tensor.copy_(total)
+            return list(tensors)
+        return self._work(slot, handles, finish, tensors)
 
     def allreduce_coalesced(self, tensors: _Tensors, opts: Any = None) -> ShoalWork:
         """Same as :meth:`allreduce` (shoal fuses the tensors itself)."""
@@ -359,10 +368,7 @@ class ShoalProcessGroup(dist.ProcessGroup):
                   input_tensors: list[torch.Tensor],
                   opts: c10d.AllgatherOptions = c10d.AllgatherOptions()) -> ShoalWork:  # noqa: B008
         """Every rank's ``input_tensors[i]`` into ``output_tensors[i]`` (sizes may differ)."""
-        _, names = self._names(len(input_tensors))
-        for outs, tensor, name in zip(output_tensors, input_tensors, names, strict=True):
-            _fill(outs, self._gather(tensor, name))
-        return self._done(list(output_tensors), [t for o in output_tensors for t in o])
+        return self._gathers(output_tensors, input_tensors, list(output_tensors))
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
                           opts: c10d.AllgatherOptions = c10d.AllgatherOptions()) -> ShoalWork:  # noqa: B008
@@ -372,39 +378,48 @@ class ShoalProcessGroup(dist.ProcessGroup):
     def all_gather_single_coalesced(self, outputs: _Tensors, inputs: _Tensors,
                                     opts: Any = None) -> ShoalWork:
         """:meth:`all_gather_single` for several pairs of tensors."""
-        _, names = self._names(len(inputs))
-        for out, inp, name in zip(outputs, inputs, names, strict=True):
-            _fill([out], self._gather(inp, name))
-        return self._done(list(outputs), outputs)
+        return self._gathers([[out] for out in outputs], inputs, list(outputs))
 
     def allgather_coalesced(self, output_lists: list[_Tensors], input_tensors: _Tensors,
                             opts: Any = None) -> ShoalWork:
         """``all_gather_coalesced``: ``output_lists[r][i]`` receives rank r's
         ``input_tensors[i]``."""
         per_tensor = [[outs[i] for outs in output_lists] for i in range(len(input_tensors))]
-        self.allgather(per_tensor, input_tensors)
-        return self._done(list(output_lists), [t for o in output_lists for t in o])
+        return self._gathers(per_tensor, input_tensors, list(output_lists))
 
     _allgather_base = all_gather_single
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
-    def _gather(self, tensor: torch.Tensor, name: str) -> np.ndarray:
-        """Every rank's ``tensor`` as bytes, concatenated (host memory)."""
-        st, raw = _raw(tensor)
-        return self._gather_staged(st, name, raw)
+    def _gathers(self, outputs: list[_Tensors], inputs: _Tensors, value: Any) -> ShoalWork:
+        """Every rank's ``inputs[i]`` (as bytes) into ``outputs[i]``, one allgather each,
+        started at once; the work completes off the caller's thread."""
+        slot, names = self._names(len(inputs))
+        handles = []
+        for tensor, name in zip(inputs, names, strict=True):
+            st, raw = _raw(tensor)
+            handles.append(self._comm.allgather_async(raw, name=name, ready=st.ready))
 
-    def _gather_staged(self, st: Staged, name: str, raw: np.ndarray | None = None
-                       ) -> np.ndarray:
-        """Every rank's staged array (or its bytes ``raw``), concatenated along dim 0."""
-        return self._comm.allgather_async(st.array if raw is None else raw, name=name,
-                                          ready=st.ready, _wake=False).wait()
+        def finish() -> Any:
+            for outs, handle in zip(outputs, handles, strict=True):
+                _fill(outs, handle.wait(0))
+            return value
+        return self._work(slot, handles, finish, [t for outs in outputs for t in outs])
 
-    def _exchange(self, data: np.ndarray, splits: list[int],
-                  ready: Callable[[], None] | None = None) -> np.ndarray:
-        """Send ``splits[r]`` consecutive bytes of ``data`` to rank ``r``; bytes received."""
-        _, (name,) = self._names(1)
-        return self._comm.alltoall_async(data, splits, name=name, ready=ready,
-                                         _wake=False).wait()[0]
+    def _exchange(self, data: np.ndarray, splits: list[int], outs: _Tensors, value: Any,
+                  ready: Callable[[], None] | None = None,
+                  check: Callable[[np.ndarray], None] | None = None) -> ShoalWork:
+        """Send ``splits[r]`` consecutive bytes of ``data`` to rank ``r``; the bytes
+        received fill ``outs`` when the work completes (``check`` sees them first)."""
+        slot, (name,) = self._names(1)
+        handle = self._comm.alltoall_async(data, splits, name=name, ready=ready)
+
+        def finish() -> Any:
+            got = handle.wait(0)[0]
+            if check is not None:
+                check(got)
+            _fill(outs, got)
+            return value
+        return self._work(slot, [handle], finish, outs)
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
                           output_split_sizes: list[int], input_split_sizes: list[int],
@@ -419,23 +434,22 @@ class ShoalProcessGroup(dist.ProcessGroup):
                                  f"not divisible by {n} ranks; pass input_split_sizes")
             input_split_sizes = [rows // n] * n
         st, raw = _raw(input)
-        got = self._exchange(raw, [int(s) * row_bytes for s in input_split_sizes], st.ready)
-        if output_split_sizes and sum(output_split_sizes) * row_bytes != got.nbytes:
-            raise ValueError(f"rank {self.rank()}: output_split_sizes {output_split_sizes} do "
-                             f"not match the {got.nbytes // max(row_bytes, 1)} rows received")
-        _fill([output], got)
-        return self._done([output], [output])
+
+        def check(got: np.ndarray) -> None:
+            if output_split_sizes and sum(output_split_sizes) * row_bytes != got.nbytes:
+                raise ValueError(f"rank {self.rank()}: output_split_sizes "
+                                 f"{output_split_sizes} do not match the "
+                                 f"{got.nbytes // max(row_bytes, 1)} rows received")
+        return self._exchange(raw, [int(s) * row_bytes for s in input_split_sizes], [output],
+                              [output], st.ready, check)
 
     alltoall_base = all_to_all_single
 
     def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
                  opts: c10d.AllToAllOptions = c10d.AllToAllOptions()) -> ShoalWork:  # noqa: B008
         """``input_tensors[r]`` to rank ``r``; ``output_tensors[r]`` from rank ``r``."""
-        raws = _ready_bytes(input_tensors)
-        got = self._exchange(np.concatenate(raws) if raws else np.empty(0, np.uint8),
-                             [r.nbytes for r in raws])
-        _fill(output_tensors, got)
-        return self._done(list(output_tensors), output_tensors)
+        data, splits, ready = _packed(input_tensors)
+        return self._exchange(data, splits, list(output_tensors), list(output_tensors), ready)
 
     def gather(self, output_tensors: list[list[torch.Tensor]],
                input_tensors: list[torch.Tensor],
@@ -443,22 +457,19 @@ class ShoalProcessGroup(dist.ProcessGroup):
         """Every rank's ``input_tensors[0]`` into ``output_tensors[0]`` on ``opts.rootRank``."""
         st, raw = _raw(input_tensors[0])
         splits = [raw.nbytes if r == opts.rootRank else 0 for r in range(self.size())]
-        got = self._exchange(raw, splits, st.ready)
         outs = output_tensors[0] if self.rank() == opts.rootRank else []
-        _fill(outs, got)
-        return self._done(list(output_tensors), outs)
+        return self._exchange(raw, splits, outs, list(output_tensors), st.ready)
 
     def scatter(self, output_tensors: list[torch.Tensor],
                 input_tensors: list[list[torch.Tensor]],
                 opts: c10d.ScatterOptions = c10d.ScatterOptions()) -> ShoalWork:  # noqa: B008
         """``input_tensors[0][r]`` on ``opts.rootRank`` into ``output_tensors[0]`` on rank r."""
+        ready = None
         if self.rank() == opts.rootRank:
-            raws = _ready_bytes(input_tensors[0])
-            data, splits = np.concatenate(raws), [r.nbytes for r in raws]
+            data, splits, ready = _packed(input_tensors[0])
         else:
             data, splits = np.empty(0, np.uint8), [0] * self.size()
-        _fill(output_tensors[:1], self._exchange(data, splits))
-        return self._done(list(output_tensors), output_tensors)
+        return self._exchange(data, splits, output_tensors[:1], list(output_tensors), ready)
 
     # -- point to point -------------------------------------------------------------------
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> ShoalWork:
@@ -496,15 +507,23 @@ class ShoalProcessGroup(dist.ProcessGroup):
         return work
 
 
-def _ready_bytes(tensors: Sequence[torch.Tensor]) -> list[np.ndarray]:
-    """The bytes of each tensor in host memory, waited for (they are concatenated at once)."""
-    raws = []
-    for t in tensors:
-        st, raw = _raw(t)
-        if st.ready is not None:
-            st.ready()
-        raws.append(raw)
-    return raws
+def _packed(tensors: Sequence[torch.Tensor]
+            ) -> tuple[np.ndarray, list[int], Callable[[], None]]:
+    """One buffer for the bytes of all ``tensors`` back to back, their sizes, and the
+    ``ready`` that fills it: the engine thread calls it before it reads the buffer, so the
+    caller neither waits for a device copy nor copies the bytes itself."""
+    parts = [_raw(t) for t in tensors]
+    splits = [raw.nbytes for _, raw in parts]
+    data = np.empty(sum(splits), np.uint8)
+
+    def ready() -> None:
+        at = 0
+        for st, raw in parts:
+            if st.ready is not None:
+                st.ready()
+            data[at:at + raw.nbytes] = raw
+            at += raw.nbytes
+    return data, splits, ready
 
 
 def _advertised_host(store: Any) -> str:

@@ -21,7 +21,7 @@ from shoal.core.errors import ShoalTimeoutError
 from .device.staging import consumer_context
 from .tensors import Staged, fill_bytes, stage
 
-__all__ = ["ShoalWork"]
+__all__ = ["DistTimeoutError", "ShoalWork"]
 
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
@@ -54,9 +54,15 @@ def _raw(tensor: torch.Tensor, fetch: bool = True) -> tuple[Staged, np.ndarray]:
 _fill = fill_bytes
 
 
-def _timed_out(secs: float | None) -> str:
-    return (f"backend 'shoal': Timed out waiting {(secs or 0) * 1000:.0f}ms for a torch "
-            f"collective to complete (a rank that has not joined it is slow, stuck or dead)")
+class DistTimeoutError(ShoalTimeoutError, dist.DistBackendError):
+    """A torch collective of backend "shoal" ran past its timeout: torch's
+    ``DistBackendError`` (as gloo raises), and shoal's ``ShoalTimeoutError``."""
+
+
+def _timed_out(secs: float | None) -> DistTimeoutError:
+    return DistTimeoutError(
+        f"backend 'shoal': Timed out waiting {(secs or 0) * 1000:.0f}ms for a torch "
+        f"collective to complete (a rank that has not joined it is slow, stuck or dead)")
 
 
 class ShoalWork(dist.Work):
@@ -124,7 +130,7 @@ class ShoalWork(dist.Work):
             try:
                 handle.wait(left)
             except TimeoutError as exc:
-                raise ShoalTimeoutError(_timed_out(timeout)) from exc
+                raise _timed_out(timeout) from exc
 
     def wait(self, timeout: Any = None) -> bool:
         """Block until done (at most ``timeout``, default the group's); raise its error."""
@@ -135,7 +141,7 @@ class ShoalWork(dist.Work):
             self.handles_done(secs)
         left = None if secs is None else max(0.0, secs - (time.monotonic() - start))
         if not self._done.wait(left):
-            raise ShoalTimeoutError(_timed_out(secs))
+            raise _timed_out(secs)
         if self._error is not None:
             raise self._error
         if self._devices:  # the caller's current stream waits on the copies back
