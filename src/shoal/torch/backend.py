@@ -30,14 +30,11 @@ refuses every backend not named gloo, through to groups of this backend.
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import os
 import threading
-import time
 import weakref
 from collections.abc import Callable, Sequence
-from datetime import timedelta
 from typing import Any
 
 import numpy as np
@@ -50,6 +47,7 @@ from shoal.core import config
 from shoal.core.communicator import Communicator, local_address
 from shoal.core.store import PrefixStore
 
+from .monitor import admit_monitored_barrier, monitored_barrier
 from .store import C10dStore
 from .tensors import Staged, copy_back, result_tensor, stage
 from .work import ShoalWork, _fill, _raw, _seconds
@@ -66,19 +64,23 @@ _OPS = {dist.ReduceOp.RedOpType.SUM: shoal.Sum, dist.ReduceOp.RedOpType.AVG: sho
         dist.ReduceOp.RedOpType.BXOR: shoal.ReduceOp.BXOR}
 _BOOL_OPS = {shoal.Sum: shoal.Max, shoal.Product: shoal.Min}  # c10d's bool semantics
 _SCATTER_OPS = {shoal.Sum, shoal.Average, shoal.Min, shoal.Max, shoal.Product}
-_MONITOR_TAG = -0x5348  # monitored_barrier's messages (user tags are not negative)
 _RS = c10d.ReduceScatterOptions()  # c10d's defaults, never modified here
 _Tensors = list[torch.Tensor]
 _registered = False
 class ShoalProcessGroup(dist.ProcessGroup):
     """A c10d process group: its own shoal communicator, built from the store torch gave."""
 
+    #: torch's ``split_group`` asks the group's backend; this group is its own backend
+    supports_splitting = True
+    options = None  # no backend options: ``split_group`` copies them to the child as-is
+
     def __init__(self, comm: Communicator, group: str = "0",
-                 timeout: float | None = None) -> None:
+                 timeout: float | None = None, store: Any = None) -> None:
         super().__init__(comm.rank, comm.size)
         self._comm = comm
         self._group = group
         self._timeout = timeout
+        self._store = store
         self._seq = 0
         self._slots: dict[int, ShoalWork] = {}
         self._monitor = 0  # monitored_barrier rounds
@@ -92,6 +94,57 @@ class ShoalProcessGroup(dist.ProcessGroup):
     def shutdown(self) -> None:
         """Close the group's communicator (``destroy_process_group`` calls this)."""
         self._comm.close()
+
+    def abort(self) -> None:
+        """Close the communicator at once: pending works fail on this rank, and peers
+        waiting on it learn so (``torch.distributed.distributed_c10d._abort_process_group``)."""
+        self._comm.close()
+
+    # -- what c10d asks of a group's backend (this group is its own) ----------------------
+    def _get_backend(self, device: Any = None) -> ShoalProcessGroup:
+        """The backend behind this group for ``device``: the group itself (torch 2.13's
+        ``c10d.Backend`` has no Python constructor, so a Python backend cannot be held by a
+        C++ ProcessGroup; a Python ProcessGroup is its own backend)."""
+        return self
+
+    @property
+    def _device_types(self) -> list[torch.device]:
+        """The devices this group serves (the backend's registered ones, as for gloo)."""
+        return [torch.device(d) for d in dist.Backend.backend_capability.get(BACKEND, ["cpu"])]
+
+    def _get_sequence_number_for_group(self) -> int:
+        """How many collectives this group has issued (the same on every rank)."""
+        return self._seq
+
+    def _set_sequence_number_for_group(self) -> None:
+        """Numbering starts at 0 on every rank when the group is made: nothing to agree."""
+
+    def get_group_store(self) -> Any:
+        """The c10d store this group met through."""
+        return self._store
+
+    def set_timeout(self, timeout: Any) -> None:
+        """Bound every later wait of this group's works by ``timeout``."""
+        self._timeout = _seconds(timeout)
+
+    def split_group(self, ranks: Sequence[int], timeout: Any = None, opts: Any = None,
+                    group_name: str | None = None, group_desc: str | None = None,
+                    device_types: Any = None) -> ShoalProcessGroup | None:
+        """A group of ``ranks`` (ranks of this group) that only its members call, for
+        ``torch.distributed.split_group``; None on the others. Made through this group's
+        communicator, so no new store is needed."""
+        members = sorted(int(r) for r in ranks)
+        child = self._comm.split(members)
+        if child is None:
+            return None
+        name = group_name or f"{self.group_name}:split:{'.'.join(map(str, members))}"
+        store = dist.PrefixStore(name, self._store) if self._store is not None else None
+        pg = ShoalProcessGroup(child, name, _seconds(timeout) or self._timeout, store)
+        pg._set_group_name(name)
+        if group_desc:
+            pg._set_group_desc(group_desc)
+        weakref.finalize(pg, child.close)
+        return pg
 
     def _set_group_name(self, name: str) -> None:
         """c10d names the group after creating it (kept here: this group has no C++ backend
@@ -310,59 +363,11 @@ class ShoalProcessGroup(dist.ProcessGroup):
         return work
 
     def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
-        """gloo's ``monitored_barrier``: rank 0 waits up to ``timeout`` for every other rank
-        and raises ``RuntimeError`` naming the first one (every one, with
-        ``wait_all_ranks``) that did not arrive; the others wait for rank 0's release."""
-        if isinstance(timeout, timedelta):  # zero is a deadline already passed, not "none"
-            secs = max(0.0, timeout.total_seconds())
-        else:
-            secs = _seconds(timeout) or self._timeout or 1800.0
-        me, n = self.rank(), self.size()
+        """gloo's ``monitored_barrier`` (see :func:`shoal.torch.monitor.monitored_barrier`)."""
         with self._lock:
             self._monitor += 1
-            token = np.array([self._monitor], np.int64)  # tokens of failed rounds are stale
-
-        def receive(src: int, deadline: float) -> bool:
-            """The token of this round from ``src`` before ``deadline``; stale ones skipped."""
-            while True:
-                got = np.zeros(1, np.int64)
-                handle = self._comm.recv(got, src, _MONITOR_TAG)
-                try:
-                    handle.wait(max(0.0, deadline - time.monotonic()))
-                except TimeoutError:
-                    if handle.cancel():
-                        return False
-                    handle.wait()  # it matched just now
-                if got[0] == token[0]:
-                    return True
-
-        if me != 0:
-            self._comm.send(token, 0, _MONITOR_TAG).wait(secs)
-            if not receive(0, time.monotonic() + secs):
-                raise RuntimeError(f"Rank {me} successfully reached monitoredBarrier, but "
-                                   f"received errors while waiting for send/recv from rank "
-                                   f"0 (no release within {secs * 1000:.0f} ms)")
-            return
-        deadline = time.monotonic() + secs
-        missing: list[int] = []
-        for r in range(1, n):
-            if deadline - time.monotonic() <= 0 and not missing:
-                passed = list(range(1, r))
-                raise RuntimeError(f"Rank 0 timed out in monitoredBarrier after "
-                                   f"{secs * 1000:.0f} ms. Successfully processed ranks: "
-                                   f"{', '.join(map(str, passed)) or 'none'}")
-            if not receive(r, deadline):
-                missing.append(r)
-                if not wait_all_ranks:
-                    break
-        if missing:
-            if wait_all_ranks:
-                raise RuntimeError(f"[Rank 0]: Ranks {', '.join(map(str, missing))} failed to pass "
-                                   f"monitoredBarrier in {secs * 1000:.0f} ms")
-            raise RuntimeError(f"[Rank 0]: Rank {missing[0]} failed to pass monitoredBarrier in "
-                               f"{secs * 1000:.0f} ms")
-        for r in range(1, n):
-            self._comm.send(token, r, _MONITOR_TAG).wait(secs)
+            round_ = self._monitor
+        monitored_barrier(self._comm, round_, timeout, self._timeout, wait_all_ranks)
 
     def allgather(self, output_tensors: list[list[torch.Tensor]],
                   input_tensors: list[torch.Tensor],
@@ -560,7 +565,7 @@ def _create(opts: Any, backend_options: Any = None) -> ShoalProcessGroup:
                                size, cfg=cfg, secret=cfg.secret, hostname=host,
                                job_id=cfg.job_id or f"torch{os.getpid()}",
                                bind_addr=cfg.bind_addr or _advertised_host(opts.store))
-    pg = ShoalProcessGroup(comm, group, timeout)
+    pg = ShoalProcessGroup(comm, group, timeout, opts.store)
     weakref.finalize(pg, comm.close)
     return pg
 
@@ -573,31 +578,5 @@ def register() -> None:
         return
     dist.Backend.register_backend(BACKEND, _create, extended_api=True,
                                   devices=["cpu", "cuda"])
-    _admit_monitored_barrier()
+    admit_monitored_barrier(BACKEND)
     _registered = True
-
-
-def _admit_monitored_barrier() -> None:
-    """``dist.monitored_barrier`` refuses every backend but gloo by name before it calls the
-    group's ``monitored_barrier``; let it through for groups of backend "shoal" (others go
-    to torch's function unchanged)."""
-    c10d_module = dist.distributed_c10d
-    original = c10d_module.monitored_barrier
-    if getattr(original, "_shoal", False):
-        return
-
-    @functools.wraps(original)
-    def monitored_barrier(group: Any = None, timeout: Any = None,
-                          wait_all_ranks: bool = False) -> Any:
-        if dist.get_backend(group) != BACKEND:
-            return original(group, timeout, wait_all_ranks)
-        pg = c10d_module._get_default_group() if group is None else group
-        if c10d_module._rank_not_in_group(pg):
-            return None
-        if isinstance(timeout, float | int):
-            timeout = timedelta(seconds=timeout)
-        return pg.monitored_barrier(timeout, wait_all_ranks=wait_all_ranks)
-
-    monitored_barrier._shoal = True  # type: ignore[attr-defined]
-    c10d_module.monitored_barrier = monitored_barrier
-    dist.monitored_barrier = monitored_barrier

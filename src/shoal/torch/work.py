@@ -148,6 +148,31 @@ class ShoalWork(dist.Work):
             self._future.wait()
         return True
 
+    def result(self) -> Any:
+        """The tensors of the finished work (what gloo's ``Work.result()`` returns); waits
+        for it first."""
+        self.wait()
+        return self._future.value()
+
+    def is_success(self) -> bool:
+        """Finished without an error."""
+        return self._done.is_set() and self._error is None
+
+    def exception(self) -> BaseException | None:
+        """The error the work ended with (None while running or after success)."""
+        return self._error
+
+    def get_future_result(self) -> torch.futures.Future:
+        """A future of the ``WorkResult`` (as an int: SUCCESS 0, TIMEOUT 1, COMM_ERROR 2),
+        completed with the work (the contract NCCL's works keep; gloo's do not offer it)."""
+        out: torch.futures.Future = torch.futures.Future()
+
+        def settle(_: Any) -> None:
+            error = self._error
+            out.set_result(0 if error is None else 1 if isinstance(error, TimeoutError) else 2)
+        self._future.add_done_callback(settle)
+        return out
+
     def _source_rank(self) -> int:
         """The sender of a finished receive (``dist.recv`` without ``src`` returns it)."""
         source = getattr(self, "source_rank", None)
