@@ -200,3 +200,17 @@ def test_elastic_section_reports_medians_and_targets() -> None:
     text = "\n".join(section(data))
     assert "| default | 0.50 s | 0.50 | < 10 s |" in text
     assert "| fast | 0.40 s | 0.40 | < 3 s |" in text and "--trials 1" in text
+
+
+def test_fsdp_bench_times_both_backends_and_compares_weights(tmp_path) -> None:
+    pytest.importorskip("torch")
+    out = tmp_path / "fsdp.json"
+    proc = _shoal("bench", "fsdp", "--np", "2", "--trials", "2", "--steps", "1", "--layers",
+                  "1", "--width", "32", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads(out.read_text())["results"][0]
+    assert res["np"] == 2 and set(res["step_s"]) == {"shoal", "gloo"}
+    assert res["step_s"]["shoal"]["n"] == 2 and res["ratio_gloo_over_shoal"] > 0
+    assert res["max_weight_diff"] < 1e-5  # same data, same model: the same training
+    from shoal.bench.fsdp import section
+    assert "FSDP2" in "\n".join(section({"results": [res]}))

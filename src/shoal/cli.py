@@ -17,6 +17,7 @@ _BENCH = {
     "train": "end-to-end EfficientNet throughput, shoal vs DDP (source checkout)",
     "soak": "many mixed collectives checked against numpy: mismatches, memory, cache size",
     "faults": "inject kill -9, SIGSTOP, a cut link, strangers, mismatches; record detection",
+    "fsdp": "FSDP2 training steps over backend shoal vs over gloo, side by side",
     "elastic": "an elastic job losing a worker: seconds from the kill to the next step",
     "report": "regenerate BENCHMARKS.md and its plots from the JSON results",
 }

@@ -271,6 +271,10 @@ def build(folder: str) -> str:
     if data is not None:
         from .collectives import section as collectives_section
         lines += collectives_section(data)
+    data = load_results(folder, "fsdp")
+    if data is not None:
+        from .fsdp import section as fsdp_section
+        lines += fsdp_section(data)
     data = load_results(folder, "elastic")
     if data is not None:
         from .elastic import section as elastic_section

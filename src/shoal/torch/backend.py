@@ -30,6 +30,7 @@ refuses every backend not named gloo, through to groups of this backend.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 import os
 import threading
@@ -44,9 +45,10 @@ from torch._C import _distributed_c10d as c10d
 
 import shoal
 from shoal.core import config
+from shoal.core.auth import secret_bytes
 from shoal.core.communicator import Communicator, local_address
-from shoal.core.store import PrefixStore
 
+from .meet import meet_fresh
 from .monitor import admit_monitored_barrier, monitored_barrier
 from .store import C10dStore
 from .tensors import Staged, copy_back, result_tensor, stage
@@ -558,13 +560,22 @@ def _create(opts: Any, backend_options: Any = None) -> ShoalProcessGroup:
         if default.size > max(members):
             host = default.world.hosts[members[rank]]
     store: Any = C10dStore(opts.store, timeout or cfg.start_timeout_s)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if attempt is not None:  # torchrun keeps its store across restarts: last attempt's keys
-        store = PrefixStore(store, f"attempt{attempt}")  # must not be read as this one's
-    comm = Communicator.create(store, rank,
-                               size, cfg=cfg, secret=cfg.secret, hostname=host,
-                               job_id=cfg.job_id or f"torch{os.getpid()}",
-                               bind_addr=cfg.bind_addr or _advertised_host(opts.store))
+    bind = cfg.bind_addr or _advertised_host(opts.store)
+    closers: list[Callable[[], None]] = []
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id is not None:  # torchrun's store outlives restarts: meet in a fresh one
+        key = secret_bytes(cfg.secret) if cfg.secret else hashlib.sha256(
+            f"shoal-torchrun:{run_id}:{os.environ.get('MASTER_ADDR')}:"
+            f"{os.environ.get('MASTER_PORT')}".encode()).digest()  # keeps jobs apart only
+        store, closers = meet_fresh(store, rank, bind, key, cfg.start_timeout_s)
+    try:
+        comm = Communicator.create(store, rank, size, cfg=cfg, secret=cfg.secret,
+                                   hostname=host, job_id=cfg.job_id or f"torch{os.getpid()}",
+                                   bind_addr=bind, closers=closers)
+    except BaseException:
+        for release in closers:
+            release()
+        raise
     pg = ShoalProcessGroup(comm, group, timeout, opts.store)
     weakref.finalize(pg, comm.close)
     return pg

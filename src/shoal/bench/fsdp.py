@@ -1,0 +1,158 @@
+"""``shoal bench fsdp``: FSDP2 (``fully_shard``) training steps over backend "shoal" and over
+gloo, side by side in the same processes.
+
+One job per world size; the same small transformer (4 encoder layers, width 256, 4 heads,
+feed-forward 1024, batch 8 x 64 tokens per rank), each layer its own FSDP unit, built twice
+from one seed: once on a mesh of a ``"shoal"`` group and once on a mesh of a gloo group. The
+two take turns trial by trial (who goes first rotates); a trial is a few optimizer steps
+(forward with its all-gathers, backward with its reduce-scatters, Adam) after a barrier. Per
+trial the slowest rank counts; medians and spreads over the trials. After the trials the two
+models' weights are compared (they train on the same data, so they must agree).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from .common import worst_over_ranks
+
+__all__ = ["add_arguments", "format_table", "run", "section", "worker_main"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of ``shoal bench fsdp``."""
+    p.add_argument("--np", type=int, nargs="+", default=[2], dest="np_")
+    p.add_argument("--trials", type=int, default=7)
+    p.add_argument("--steps", type=int, default=3, help="optimizer steps per trial")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--width", type=int, default=256)
+    p.add_argument("--out", default="benchmarks/fsdp.json")
+    p.add_argument("--timeout", type=float, default=1800)
+
+
+def _model(torch: Any, layers: int, width: int) -> Any:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[
+        torch.nn.TransformerEncoderLayer(width, 4, 4 * width, dropout=0.0, batch_first=True)
+        for _ in range(layers)])
+
+
+def worker_main(argv: Sequence[str]) -> None:
+    """One rank (started by shoalrun)."""
+    p = argparse.ArgumentParser()
+    for flag in ("--trials", "--steps", "--layers", "--width"):
+        p.add_argument(flag, type=int, required=True)
+    p.add_argument("--json", required=True)
+    args = p.parse_args(argv)
+    import json
+
+    import shoal
+    import shoal.torch.backend as backend
+
+    from .common import init_gloo
+    shoal.init()
+    torch, dist = init_gloo()  # the default group: gloo, over env://
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+    backend.register()
+    groups = {"shoal": dist.new_group(backend="shoal"), "gloo": dist.new_group(backend="gloo")}
+    me = dist.get_rank()
+    runs = {}
+    for name, group in groups.items():
+        model = _model(torch, args.layers, args.width)
+        mesh = DeviceMesh.from_group(group, "cpu")
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        runs[name] = (model, torch.optim.Adam(model.parameters(), lr=1e-4), group)
+    step_no = {name: 0 for name in runs}
+
+    def step(name: str) -> None:
+        model, opt, _ = runs[name]
+        g = torch.Generator().manual_seed(1000 * step_no[name] + me)
+        x = torch.randn(8, 64, args.width, generator=g)
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+        step_no[name] += 1
+
+    names = list(runs)
+    for name in names:  # warm-up: connections, allocations
+        step(name)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for trial in range(args.trials):
+        k = trial % len(names)
+        for name in names[k:] + names[:k]:
+            dist.barrier(group=runs[name][2])
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                step(name)
+            times[name].append((time.perf_counter() - t0) / args.steps)
+    weights = {name: torch.cat([p.full_tensor().reshape(-1) for p in runs[name][0].parameters()])
+               for name in names}
+    diff = float((weights["shoal"] - weights["gloo"]).abs().max())
+    every = shoal.allgather_object({"times": times, "diff": diff})
+    if me == 0:
+        result = {"np": dist.get_world_size(), "layers": args.layers, "width": args.width,
+                  "steps_per_trial": args.steps, "trials": args.trials,
+                  "step_s": {name: worst_over_ranks([r["times"][name] for r in every])
+                             for name in names},
+                  "max_weight_diff": max(r["diff"] for r in every)}
+        result["ratio_gloo_over_shoal"] = (result["step_s"]["gloo"]["median"]
+                                           / result["step_s"]["shoal"]["median"])
+        with open(args.json, "w") as f:
+            json.dump(result, f)
+    dist.destroy_process_group()
+    shoal.shutdown()
+
+
+def format_table(results: list[dict[str, Any]]) -> str:
+    """One row per world size."""
+    lines = ["ranks | shoal step (median, spread) | gloo step (median, spread) | "
+             "gloo / shoal | max weight difference"]
+    for r in results:
+        s, g = r["step_s"]["shoal"], r["step_s"]["gloo"]
+        lines.append(f"{r['np']} | {s['median'] * 1e3:.0f} ms ({s['spread']:.0%}) | "
+                     f"{g['median'] * 1e3:.0f} ms ({g['spread']:.0%}) | "
+                     f"{r['ratio_gloo_over_shoal']:.2f}x | {r['max_weight_diff']:.1e}")
+    return "\n".join(lines)
+
+
+def section(data: dict[str, Any]) -> list[str]:
+    """The BENCHMARKS.md section for ``benchmarks/fsdp.json``."""
+    rows = format_table(data["results"]).splitlines()
+    first = data["results"][0]
+    return ["## FSDP2 over shoal and over gloo", "",
+            f"`{data.get('command', 'shoal bench fsdp')}`: `fully_shard` per layer on a "
+            f"{first['layers']}-layer transformer of width {first['width']} (batch 8 x 64 "
+            f"tokens per rank), the same model over a \"shoal\" group and a gloo group in "
+            f"the same processes, taking turns trial by trial; {first['trials']} trials of "
+            f"{first['steps_per_trial']} steps, per trial the slowest rank; gloo / shoal > 1 "
+            f"means shoal's step is shorter.", "",
+            "| " + rows[0] + " |", "|" + "---|" * (rows[0].count("|") + 1),
+            *["| " + r + " |" for r in rows[1:]], ""]
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run one job per world size through shoalrun and write the JSON results."""
+    from .common import run_job, write_results
+    results = []
+    for np_ in args.np_:
+        job = ["--trials", str(args.trials), "--steps", str(args.steps),
+               "--layers", str(args.layers), "--width", str(args.width)]
+        try:
+            results.append(run_job(np_, "shoal.bench.fsdp", job, timeout=args.timeout))
+        except (RuntimeError, TimeoutError) as exc:
+            print(f"shoal bench fsdp: {exc}", file=sys.stderr)
+            return 1
+    print(format_table(results))
+    write_results(args.out, {"results": results})
+    return 0
+
+
+if __name__ == "__main__":
+    worker_main(sys.argv[1:])
