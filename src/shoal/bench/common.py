@@ -69,6 +69,20 @@ def worst_over_ranks(per_rank: Sequence[Sequence[float]]) -> dict[str, float]:
     return stats(np.max(np.asarray(per_rank, dtype=np.float64), axis=0))
 
 
+def run_per_size(bench: str, sizes: Sequence[int],
+                 job: Callable[[int], dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """``job(np)`` for each world size in turn; None (the failure said on stderr as ``shoal
+    bench <bench>: ...``) as soon as one fails."""
+    results = []
+    for np_ in sizes:
+        try:
+            results.append(job(np_))
+        except (RuntimeError, TimeoutError) as exc:
+            print(f"shoal bench {bench}: {exc}", file=sys.stderr)
+            return None
+    return results
+
+
 def run_mpi_job(np_: int, module: str, args: Sequence[str], timeout: float) -> dict[str, Any]:
     """Like :func:`run_job`, but started by Open MPI's ``mpirun`` with the peers venv's python
     (where shoal, torch and mpi4py all import), so shoal and MPI share the same processes."""

@@ -139,16 +139,13 @@ def section(data: dict[str, Any]) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     """Run one job per world size through shoalrun and write the JSON results."""
-    from .common import run_job, write_results
-    results = []
-    for np_ in args.np_:
-        job = ["--trials", str(args.trials), "--steps", str(args.steps),
-               "--layers", str(args.layers), "--width", str(args.width)]
-        try:
-            results.append(run_job(np_, "shoal.bench.fsdp", job, timeout=args.timeout))
-        except (RuntimeError, TimeoutError) as exc:
-            print(f"shoal bench fsdp: {exc}", file=sys.stderr)
-            return 1
+    from .common import run_job, run_per_size, write_results
+    job = ["--trials", str(args.trials), "--steps", str(args.steps),
+           "--layers", str(args.layers), "--width", str(args.width)]
+    results = run_per_size("fsdp", args.np_, lambda np_: run_job(
+        np_, "shoal.bench.fsdp", job, timeout=args.timeout))
+    if results is None:
+        return 1
     print(format_table(results))
     write_results(args.out, {"results": results})
     return 0
