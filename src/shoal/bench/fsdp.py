@@ -94,7 +94,7 @@ def worker_main(argv: Sequence[str]) -> None:
             times[name].append((time.perf_counter() - t0) / args.steps)
     weights = {name: torch.cat([p.full_tensor().reshape(-1) for p in runs[name][0].parameters()])
                for name in names}
-    diff = float((weights["shoal"] - weights["gloo"]).abs().max())
+    diff = float((weights["shoal"] - weights["gloo"]).detach().abs().max())
     every = shoal.allgather_object({"times": times, "diff": diff})
     if me == 0:
         result = {"np": dist.get_world_size(), "layers": args.layers, "width": args.width,
