@@ -401,14 +401,23 @@ class ShoalProcessGroup(dist.ProcessGroup):
         """Every rank's ``inputs[i]`` (as bytes) into ``outputs[i]``, one allgather each,
         started at once; the work completes off the caller's thread."""
         slot, names = self._names(len(inputs))
-        handles = []
-        for tensor, name in zip(inputs, names, strict=True):
+        handles, landed = [], []
+        for tensor, name, outs in zip(inputs, names, outputs, strict=True):
             st, raw = _raw(tensor)
-            handles.append(self._comm.allgather_async(raw, name=name, ready=st.ready))
+            into = None  # one output tensor (all_gather_into_tensor): the bytes land in it
+            if len(outs) == 1 and outs[0].is_contiguous():
+                into, into_raw = _raw(outs[0], fetch=False)
+            handles.append(self._comm.allgather_async(
+                raw, name=name, ready=st.ready, out=None if into is None else into_raw))
+            landed.append(into)
 
         def finish() -> Any:
-            for outs, handle in zip(outputs, handles, strict=True):
-                _fill(outs, handle.wait(0))
+            for outs, handle, into in zip(outputs, handles, landed, strict=True):
+                got = handle.wait(0)
+                if into is None:
+                    _fill(outs, got)
+                else:
+                    into.finish()
             return value
         return self._work(slot, handles, finish, [t for outs in outputs for t in outs])
 
