@@ -140,3 +140,27 @@ def _absent_peer(rank: int) -> dict[str, str]:
 def test_group_timeout_on_every_kind_with_an_absent_peer() -> None:
     seen, _ = run_ranks(_absent_peer, 2, timeout=120, timeout_s=60.0)
     assert seen == {kind: "timed out" for kind in _KINDS}, seen
+
+
+def _inputs_kept(rank: int) -> list[bool]:
+    import torch.distributed as dist
+    _init(rank, 30.0)
+    checks = []
+    x = torch.arange(4.0) + rank
+    kept = x.clone()
+    out = torch.zeros(2)
+    dist.reduce_scatter_tensor(out, x)  # the real reduce-scatter reads the input in place
+    checks += [torch.equal(x, kept), out.tolist() == [1.0 + 2 * rank * 2, 3.0 + 2 * rank * 2]]
+    y = torch.tensor([1, 2, 4, 8]) << rank
+    kept = y.clone()
+    out = torch.zeros(2, dtype=torch.int64)
+    dist.reduce_scatter_tensor(out, y, op=dist.ReduceOp.BOR)  # a full reduction, on a copy
+    want = (torch.tensor([1, 2, 4, 8]) | (torch.tensor([1, 2, 4, 8]) << 1))[2 * rank:2 * rank + 2]
+    checks += [torch.equal(y, kept), torch.equal(out, want)]
+    dist.destroy_process_group()
+    return checks
+
+
+def test_reduce_scatter_tensor_leaves_its_input_alone() -> None:
+    for checks in run_ranks(_inputs_kept, 2, timeout=60):
+        assert checks == [True] * 4, checks

@@ -284,16 +284,19 @@ class ShoalProcessGroup(dist.ProcessGroup):
         return self._work(slot, handles, finish, tensors)
 
     def reduce_scatter(self, output_tensors: _Tensors, input_tensors: list[_Tensors],
-                       opts: c10d.ReduceScatterOptions = _RS) -> ShoalWork:
+                       opts: c10d.ReduceScatterOptions = _RS, *,
+                       _flats: _Tensors | None = None) -> ShoalWork:
         """Reduce ``input_tensors[i]`` (one tensor per rank) and keep this rank's part: a
         real reduce-scatter (each rank receives only its block) when the parts are equal;
         uneven parts, bool tensors and bitwise ops go through a full reduction."""
         kind, prescale = self._op(opts.reduceOp)
-        flats = [torch.cat([t.reshape(-1) for t in parts]) for parts in input_tensors]
         me, n = self.rank(), self.size()
         even = _OPS[kind] in _SCATTER_OPS and all(
             len(parts) == n and len({p.numel() for p in parts}) == 1 and
             p.dtype != torch.bool for parts in input_tensors for p in parts[:1])
+        if _flats is None or not even:  # a full reduction works in place: on a copy
+            _flats = [torch.cat([t.reshape(-1) for t in parts]) for parts in input_tensors]
+        flats = _flats
         if not even:
             slot, staged, handles = self._reduce_async(flats, opts.reduceOp)
 
@@ -332,7 +335,9 @@ class ShoalProcessGroup(dist.ProcessGroup):
                 raise ValueError(f"rank {self.rank()}: reduce_scatter input has {inp.numel()} "
                                  f"elements, expected {self.size()} x {out.numel()}")
         parts = [list(inp.reshape(-1).chunk(self.size())) for inp in inputs]
-        return self.reduce_scatter(outputs, parts, opts)
+        # the inputs as they are (reduce-scatter reads its input, never writes it): no copy
+        return self.reduce_scatter(outputs, parts, opts,
+                                   _flats=[inp.reshape(-1) for inp in inputs])
 
     _reduce_scatter_base = reduce_scatter_single
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
