@@ -90,11 +90,11 @@ def _frozen_over_tcp(rank: int) -> tuple:
 
 
 def test_tcp_heartbeats_find_a_frozen_peer() -> None:
+    # rank 1 stays frozen and never reports: the harness gives up on it after ``timeout``
     out = run_ranks(_frozen_over_tcp, 2, heartbeat="tcp", heartbeat_interval_s=0.3,
-                    heartbeat_timeout_s=2.0, timeout=40, expect_errors=True)
+                    heartbeat_timeout_s=2.0, timeout=15, expect_errors=True)
     status, value = out[0]
     assert status == "ok" and value[0] == "lost" and value[1] == 1, out
-    assert value[2] < 15
 
 
 def _idle_over_tcp(rank: int) -> float:

@@ -118,17 +118,16 @@ def _send_past_a_silent_stranger(rank: int) -> float:
         return float(out.sum())
     comm.barrier()
     time.sleep(0.2)
-    start = time.monotonic()
-    comm.send(np.ones(4), 1, tag=3).wait(30)
-    return time.monotonic() - start
+    # well below the 30 s a stranger held the old inline handshake: a delayed send fails
+    comm.send(np.ones(4), 1, tag=3).wait(8)
+    return 0.0
 
 
 def test_a_silent_stranger_does_not_stall_sends() -> None:
     """The handshake runs off the accept loop: the first send to rank 1 is not delayed by
     a connection that never answers the challenge (it was: the whole start timeout)."""
-    took, got = run_ranks(_send_past_a_silent_stranger, 2, start_timeout_s=30, timeout=60)
+    _, got = run_ranks(_send_past_a_silent_stranger, 2, start_timeout_s=30, timeout=60)
     assert got == 4.0
-    assert took < 5.0, f"the send waited {took:.1f}s behind the stranger"
 
 
 def _receive_from_frozen(rank: int) -> tuple:
@@ -151,8 +150,9 @@ def _receive_from_frozen(rank: int) -> tuple:
 
 
 def test_receive_from_a_frozen_peer_is_peer_lost() -> None:
+    # rank 1 stays frozen and never reports: the harness gives up on it after ``timeout``
     out = run_ranks(_receive_from_frozen, 2, heartbeat_interval_s=0.3,
-                    heartbeat_timeout_s=2.0, timeout=40, expect_errors=True)
+                    heartbeat_timeout_s=2.0, timeout=15, expect_errors=True)
     status, value = out[0]
     assert status == "ok" and value[0] == "lost" and value[1] == 1, out
 
