@@ -4,6 +4,7 @@ makes it allocate more than a bounded amount, and never changes a result."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import struct
 import threading
@@ -55,36 +56,35 @@ def test_heartbeat_socket_survives_datagrams(heartbeat, blobs: list[bytes]) -> N
 
 
 # -- the handshake every TCP port runs first (data, store, heartbeat, point-to-point) ----------
-@FAST
-@given(st.binary(max_size=160), st.booleans())
+def _refused_by(prove, feed: bytes, errors) -> None:
+    """``prove(sock)`` on one end of a socket pair while the other sends ``feed`` and closes:
+    it must raise one of ``errors``, within the socket's 0.5 s."""
+    mine, theirs = socket.socketpair()
+    mine.settimeout(0.5)
+    try:
+        theirs.sendall(feed)
+        theirs.shutdown(socket.SHUT_WR)
+        with pytest.raises(errors):
+            prove(mine)
+    finally:
+        mine.close()
+        theirs.close()
+
+
+@settings(max_examples=60, deadline=None)  # the example count of the test it replaced
+@given(st.binary(max_size=200), st.booleans())
 def test_handshake_refuses_arbitrary_replies(blob: bytes, with_magic: bool) -> None:
     """A client that speaks the right magic and then garbage (or garbage alone) is refused
     with AuthenticationError, after reading at most one fixed-size reply."""
-    server, client = socket.socketpair()
-    server.settimeout(0.5)
-    try:
-        client.sendall((MAGIC if with_magic else b"") + blob)
-        client.shutdown(socket.SHUT_WR)
-        with pytest.raises(AuthenticationError):
-            server_handshake(server, SECRET, b"data")
-    finally:
-        server.close()
-        client.close()
+    _refused_by(lambda s: server_handshake(s, SECRET, b"data"),
+                (MAGIC if with_magic else b"") + blob, AuthenticationError)
 
 
 @FAST
 @given(st.binary(max_size=160))
 def test_client_handshake_refuses_an_arbitrary_server(blob: bytes) -> None:
-    server, client = socket.socketpair()
-    client.settimeout(0.5)
-    try:
-        server.sendall(blob)
-        server.shutdown(socket.SHUT_WR)
-        with pytest.raises((AuthenticationError, PeerLostError, TimeoutError)):
-            client_handshake(client, SECRET, b"data")
-    finally:
-        server.close()
-        client.close()
+    _refused_by(lambda s: client_handshake(s, SECRET, b"data"), blob,
+                (AuthenticationError, PeerLostError, TimeoutError))
 
 
 # -- the store ---------------------------------------------------------------------------------
@@ -107,14 +107,14 @@ def test_store_frames_after_the_handshake(store, blob: bytes) -> None:
     server, client = store
     with socket.create_connection(server.address, timeout=2) as s:
         client_handshake(s, SECRET, b"store")
-        s.sendall(blob)
-        s.shutdown(socket.SHUT_WR)
         s.settimeout(1.0)
-        try:
+        # the server may drop the connection at the first bad frame, before this side is
+        # done sending: a reset or "not connected" here is that outcome, not a failure
+        with contextlib.suppress(OSError):
+            s.sendall(blob)
+            s.shutdown(socket.SHUT_WR)
             while s.recv(1 << 16):
                 pass
-        except OSError:
-            pass
     assert client.get("kept", 5) == b"value"
     assert threading.active_count() < 200
 

@@ -134,18 +134,14 @@ def section(data: dict[str, Any]) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     """Run one job per world size through shoalrun and write the JSON results."""
-    from .common import run_job, run_mpi_job, run_per_size, write_results
+    from .common import run_and_record, run_job, run_mpi_job
     from .peers import available_peers
     use_mpi = "mpi" in args.peers.split(",") and bool(available_peers().get("mpi"))
     job = ["--sizes", args.sizes, "--trials", str(args.trials)]
-    results = run_per_size("collectives", args.np_, lambda np_: (
+    return run_and_record("collectives", args.np_, lambda np_: (
         run_mpi_job(np_, "shoal.bench.collectives", job, args.timeout) if use_mpi else
-        run_job(np_, "shoal.bench.collectives", job, timeout=args.timeout)))
-    if results is None:
-        return 1
-    print(format_table(results))
-    write_results(args.out, {"results": results})
-    return 0
+        run_job(np_, "shoal.bench.collectives", job, timeout=args.timeout)),
+        format_table, args.out)
 
 
 if __name__ == "__main__":

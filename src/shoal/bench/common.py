@@ -69,18 +69,21 @@ def worst_over_ranks(per_rank: Sequence[Sequence[float]]) -> dict[str, float]:
     return stats(np.max(np.asarray(per_rank, dtype=np.float64), axis=0))
 
 
-def run_per_size(bench: str, sizes: Sequence[int],
-                 job: Callable[[int], dict[str, Any]]) -> list[dict[str, Any]] | None:
-    """``job(np)`` for each world size in turn; None (the failure said on stderr as ``shoal
-    bench <bench>: ...``) as soon as one fails."""
+def run_and_record(bench: str, sizes: Sequence[int], job: Callable[[int], dict[str, Any]],
+                   table: Callable[[list[dict[str, Any]]], str], out: str) -> int:
+    """``job(np)`` for each world size in turn, then the table printed and the results
+    written to ``out``; the exit code (1, the failure said on stderr as ``shoal bench
+    <bench>: ...``, as soon as one job fails)."""
     results = []
     for np_ in sizes:
         try:
             results.append(job(np_))
         except (RuntimeError, TimeoutError) as exc:
             print(f"shoal bench {bench}: {exc}", file=sys.stderr)
-            return None
-    return results
+            return 1
+    print(table(results))
+    write_results(out, {"results": results})
+    return 0
 
 
 def run_mpi_job(np_: int, module: str, args: Sequence[str], timeout: float) -> dict[str, Any]:

@@ -139,16 +139,11 @@ def section(data: dict[str, Any]) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     """Run one job per world size through shoalrun and write the JSON results."""
-    from .common import run_job, run_per_size, write_results
+    from .common import run_and_record, run_job
     job = ["--trials", str(args.trials), "--steps", str(args.steps),
            "--layers", str(args.layers), "--width", str(args.width)]
-    results = run_per_size("fsdp", args.np_, lambda np_: run_job(
-        np_, "shoal.bench.fsdp", job, timeout=args.timeout))
-    if results is None:
-        return 1
-    print(format_table(results))
-    write_results(args.out, {"results": results})
-    return 0
+    return run_and_record("fsdp", args.np_, lambda np_: run_job(
+        np_, "shoal.bench.fsdp", job, timeout=args.timeout), format_table, args.out)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ resident memory and the engine's name-cache size after the warm-up and at the en
 from __future__ import annotations
 
 import argparse
-import contextlib
 import ctypes
 import json
 import os
@@ -48,11 +47,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="SHOAL_NAME_CACHE_SIZE of the run (small: evictions are exercised)")
 
 
+def _libc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+    return libc if hasattr(libc, "malloc_trim") else None
+
+
+_LIBC = _libc()  # glibc, loaded once; None elsewhere (then samples include freed heap)
+
+
 def _rss_bytes() -> int:
     """Resident bytes after handing freed heap back (glibc ``malloc_trim``), so that a
     sample measures what is held, not what the allocator keeps for the next 4 MiB op."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096
 
