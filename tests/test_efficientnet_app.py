@@ -286,7 +286,7 @@ def _one_step(rank: int, backend: str, extra: list[str]) -> tuple[str, str, floa
     dist = init_distributed(backend)
     tr = build_trainer(args, dist, steps_per_epoch=4)
     before = _state_digest(tr)
-    stats = train_step(tr, *_batch(rank))  # every rank has its own batch
+    stats = train_step(tr, [_batch(rank)])  # every rank has its own batch
     return before, _state_digest(tr), stats.loss
 
 
@@ -335,7 +335,7 @@ def _loss_falls(rank: int, data_dir: str) -> list[float]:
     ds = build_dataset(data_dir, "train", pp, rank=0, size=1, seed=0, num_classes=10)
     batches = iter(make_loader(ds, 32, 0, drop_last=True))
     fixed = [next(batches) for _ in range(2)]  # a few steps: two batches, seen in turn
-    return [train_step(tr, *fixed[i % 2]).loss for i in range(10)]
+    return [train_step(tr, [fixed[i % 2]]).loss for i in range(10)]
 
 
 def test_loss_falls_on_digits(tmp_path):
@@ -363,18 +363,18 @@ def _resume(rank: int, model_dir: str) -> tuple[str, str, str, str]:
     dist = init_distributed("shoal")
     tr = build_trainer(args, dist, steps_per_epoch=4)
     for step in range(2):
-        train_step(tr, *_batch(10 * step + rank))
+        train_step(tr, [_batch(10 * step + rank)])
     tr.epoch = 1
     save(tr, model_dir)
     saved = _state_digest(tr)
-    train_step(tr, *_batch(99 + rank))
+    train_step(tr, [_batch(99 + rank)])
     straight = _state_digest(tr), _digest(tr.ema.module.state_dict().values())
     args.seed = 5  # a fresh trainer that starts elsewhere
     again = build_trainer(args, dist, steps_per_epoch=4)
     restore_trainer(again, load_checkpoint(model_dir) if rank == 0 else None)
     assert (again.step, again.epoch) == (2, 1)
     restored = _state_digest(again)
-    train_step(again, *_batch(99 + rank))
+    train_step(again, [_batch(99 + rank)])
     resumed = _state_digest(again), _digest(again.ema.module.state_dict().values())
     assert resumed == straight, "the resumed step differs from the uninterrupted one"
     return saved, restored, straight[0], resumed[0]

@@ -170,6 +170,8 @@ def eval_dataset(args: argparse.Namespace, rank: int, size: int, image_size: int
         return data.map(lambda x, y: (x, tf.argmax(y, -1, output_type=tf.int32)))
     offset, crop = args.label_offset, args.eval_crop_fraction
     records = _records(read_split(args, "eval"), rank, size, by_file=False)
+    if args.eval_num_examples:  # --eval_num_examples over all ranks
+        records = records.take(max(1, args.eval_num_examples // size))
 
     def prepare(record: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
         image, label = decode(record, offset)

@@ -18,7 +18,14 @@ from keras import ops
 
 from apps.efficientnet.config.variants import SMALL_CNN
 
-__all__ = ["WarmupDecay", "build_model", "build_optimizer"]
+__all__ = ["KERAS_ACTIVATIONS", "WarmupDecay", "build_model", "build_optimizer"]
+
+#: The recipe's ``--activation`` names (TensorFlow's) as Keras names them.
+KERAS_ACTIVATIONS = {
+    "swish": "swish", "silu": "silu", "simple_swish": "swish", "relu": "relu",
+    "relu6": "relu6", "hard_swish": "hard_silu", "gelu": "gelu", "elu": "elu", "selu": "selu",
+    "tanh": "tanh", "sigmoid": "sigmoid", "identity": "linear", "linear": "linear",
+}
 
 _ARCHS = {f"efficientnet-b{i}": f"EfficientNetB{i}" for i in range(8)}
 
@@ -53,9 +60,18 @@ def build_model(args: argparse.Namespace, image_size: int) -> keras.Model:
         import shoal.tensorflow as hvd
         sync_bn = hvd.SyncBatchNormalization
 
+    activation = KERAS_ACTIVATIONS[args.activation]
+
     def clone(layer: keras.layers.Layer) -> keras.layers.Layer:
         if not isinstance(layer, keras.layers.BatchNormalization):
-            return layer.__class__.from_config(layer.get_config())
+            config = layer.get_config()
+            if config.get("activation") == "swish":  # every activation of the EfficientNets
+                config["activation"] = activation
+            for key in ("kernel_initializer", "depthwise_initializer"):
+                init = config.get(key)
+                if isinstance(init, dict) and "mode" in init.get("config", {}):
+                    init["config"]["mode"] = args.weight_init
+            return layer.__class__.from_config(config)
         config = {**layer.get_config(), "momentum": args.bn_momentum,
                   "epsilon": args.bn_epsilon}
         return sync_bn.from_config(config) if sync else layer.__class__.from_config(config)
@@ -100,7 +116,8 @@ class WarmupDecay(keras.optimizers.schedules.LearningRateSchedule):
 
 
 def build_optimizer(args: argparse.Namespace, schedule: WarmupDecay) -> keras.Optimizer:
-    """``rmsprop`` (TF's), ``sgd`` (Nesterov) or ``adamw``; weight decay (decoupled, Keras's)
+    """``rmsprop`` (TF's), ``sgd``/``momentum`` (Nesterov's with ``--nesterov``), ``adam`` or
+    ``adamw``; ``--grad_clip_norm`` clips the global norm; weight decay (decoupled, Keras's)
     spares BatchNorm and biases; ``--moving_average_decay`` keeps an EMA of the weights,
     swapped in for evaluation."""
     common: dict[str, Any] = {"learning_rate": schedule}
@@ -108,16 +125,24 @@ def build_optimizer(args: argparse.Namespace, schedule: WarmupDecay) -> keras.Op
         common["weight_decay"] = args.weight_decay
     if args.moving_average_decay:
         common.update(use_ema=True, ema_momentum=args.moving_average_decay)
+    if args.grad_clip_norm:
+        common["global_clipnorm"] = args.grad_clip_norm
+    betas = {"beta_1": 0.9 if args.beta_1 is None else args.beta_1,
+             "beta_2": 0.999 if args.beta_2 is None else args.beta_2}
     if args.optimizer == "rmsprop":
         opt = keras.optimizers.RMSprop(rho=args.rmsprop_decay, momentum=args.momentum,
-                                       epsilon=args.rmsprop_epsilon, **common)
-    elif args.optimizer == "sgd":
-        opt = keras.optimizers.SGD(momentum=args.momentum, nesterov=args.momentum > 0,
-                                   **common)
+                                       epsilon=args.epsilon, **common)
+    elif args.optimizer in ("sgd", "momentum"):
+        opt = keras.optimizers.SGD(momentum=args.momentum,
+                                   nesterov=bool(args.nesterov) and args.momentum > 0, **common)
+    elif args.optimizer == "adam":
+        opt = keras.optimizers.Adam(epsilon=args.epsilon, **betas, **common)
     elif args.optimizer == "adamw":
-        opt = keras.optimizers.AdamW(**{"weight_decay": 0.0, **common})
+        opt = keras.optimizers.AdamW(**{"weight_decay": 0.0, **common}, epsilon=args.epsilon,
+                                     **betas)
     else:
-        raise ValueError(f"unknown optimizer {args.optimizer!r}; use rmsprop, sgd or adamw")
+        raise ValueError(f"unknown optimizer {args.optimizer!r}; use rmsprop, sgd, momentum, "
+                         f"adam or adamw")
     if args.weight_decay:
         opt.exclude_from_weight_decay(var_names=["gamma", "beta", "bias"])
     return opt

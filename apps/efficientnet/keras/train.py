@@ -4,8 +4,10 @@ Horovod's recipe, as written for Keras: ``hvd.init()``, the learning rate scaled
 batch, ``hvd.DistributedOptimizer(opt, compression=...)``, ``BroadcastGlobalVariablesCallback(0)``,
 ``MetricAverageCallback()``, checkpoints on rank 0 only. ``--use_amp`` is Keras's
 ``mixed_float16`` policy (Keras adds the loss-scale optimizer), ``--use_xla`` compiles the step
-with XLA (``jit_compile``; shoal splits it at the optimizer), ``--batch_norm syncbn`` uses shoal's
-``SyncBatchNormalization``. Statistics are logged like the PyTorch application's: loss,
+with XLA (``jit_compile``; shoal splits it at the optimizer; with ``--batch_norm syncbn``, whose
+reduction no XLA program can hold, TensorFlow's auto-clustering compiles the rest, as the
+recipe's ``--use_xla`` does), ``--batch_norm syncbn`` uses shoal's ``SyncBatchNormalization``.
+Statistics are logged like the PyTorch application's: loss,
 top-1/top-5 accuracy, images per second, latency percentiles; a ``SUMMARY`` line closes the run.
 
 A checkpoint (``<model_dir>/keras_checkpoint.npz``) holds every model variable (BatchNorm
@@ -35,17 +37,19 @@ __all__ = ["CHECKPOINT", "evaluate", "run"]
 CHECKPOINT = "keras_checkpoint.npz"
 
 
-def _keras(backend: str) -> tuple[Any, Any, Comm]:
+def _keras(backend: str, args: argparse.Namespace) -> tuple[Any, Any, Comm]:
     import tensorflow as tf
-    threads = os.environ.get("OMP_NUM_THREADS")
+    threads = args.intraop_threads or os.environ.get("OMP_NUM_THREADS")
     if threads:  # before the strategy (or anything else) starts TensorFlow's runtime
         tf.config.threading.set_intra_op_parallelism_threads(int(threads))
-        tf.config.threading.set_inter_op_parallelism_threads(min(2, int(threads)))
+        tf.config.threading.set_inter_op_parallelism_threads(
+            args.interop_threads or min(2, int(threads)))
     comm = make_comm(backend)
     if not threads:  # share the host's cores between its ranks
         share = max(1, (os.cpu_count() or 1) // comm.local_size)
         tf.config.threading.set_intra_op_parallelism_threads(share)
-        tf.config.threading.set_inter_op_parallelism_threads(min(2, share))
+        tf.config.threading.set_inter_op_parallelism_threads(
+            args.interop_threads or min(2, share))
     import keras
     return tf, keras, comm
 
@@ -113,18 +117,26 @@ def evaluate(tf: Any, comm: Comm, model: Any, data: Any, jit: bool) -> dict[str,
 
 
 def _callback(keras: Any, tf: Any, comm: Comm, args: argparse.Namespace, logger: MetricLogger,
-              eval_data: Any, summary: dict[str, Any], warmup: int) -> Any:
+              eval_data: Any, summary: dict[str, Any], warmup: int, jit: bool) -> Any:
     class Progress(keras.callbacks.Callback):
-        """Timing, evaluation, checkpoints and logging, once per epoch."""
+        """Timing, evaluation, checkpoints and logging, once per epoch (and the images/s of
+        every ``--log_steps`` steps with ``--time_history``)."""
 
         def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
             self.times: list[float] = []
+            self.epoch = epoch
 
         def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
             self.t0 = time.perf_counter()
 
         def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
             self.times.append(time.perf_counter() - self.t0)
+            n = args.log_steps
+            if args.time_history and n and len(self.times) % n == 0:
+                rate = n * args.train_batch_size / max(sum(self.times[-n:]), 1e-9)
+                rate = float(comm.average([rate], name="keras.window")[0]) * comm.size
+                step = self.params["steps"] * self.epoch + len(self.times)
+                logger.log((self.epoch + 1, step), {"examples_per_second": rate})
 
         def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
             logs = logs or {}  # averaged over ranks by MetricAverageCallback
@@ -140,14 +152,16 @@ def _callback(keras: Any, tf: Any, comm: Comm, args: argparse.Namespace, logger:
                      "avg_exp_per_second_training_per_worker": float(avg[0]),
                      "learning_rate": float(self.model.optimizer.learning_rate),
                      **dict(zip(lat, map(float, avg[1:]), strict=True))}
-            if eval_data is not None:
+            done = epoch + 1
+            if eval_data is not None and (done % args.num_epochs_between_eval == 0
+                                          or done == args.max_epochs):
                 ema = args.moving_average_decay > 0
                 swap = keras.callbacks.SwapEMAWeights()
                 swap.set_model(self.model)
                 if ema:
                     swap._swap_variables()
                 try:
-                    stats.update(evaluate(tf, comm, self.model, eval_data, args.use_xla))
+                    stats.update(evaluate(tf, comm, self.model, eval_data, jit))
                 finally:
                     if ema:
                         swap._swap_variables()
@@ -155,11 +169,22 @@ def _callback(keras: Any, tf: Any, comm: Comm, args: argparse.Namespace, logger:
             logger.log((epoch + 1, step), stats)
             summary.update(stats)
             freq = args.save_checkpoint_freq
-            if args.mode != "training_benchmark" and comm.rank == 0 and (
+            if args.mode != "training_benchmark" and comm.rank == 0 and \
+                    args.enable_checkpoint_and_export and (
                     (freq and (epoch + 1) % freq == 0) or epoch + 1 == args.max_epochs):
                 save_checkpoint(self.model, epoch + 1, args.model_dir)
 
     return Progress()
+
+
+def _policy(args: argparse.Namespace) -> str | None:
+    """Keras's mixed-precision policy: ``--dtype`` when it is 16-bit, else ``mixed_float16``
+    with ``--use_amp``."""
+    if args.dtype in ("bfloat16", "bf16"):
+        return "mixed_bfloat16"
+    if args.dtype in ("float16", "fp16") or args.use_amp:
+        return "mixed_float16"
+    return None
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -167,25 +192,34 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.mode == "eval":
         raise NotImplementedError("--framework tensorflow --mode eval: evaluate with "
                                   "--mode train_and_eval and --resume_checkpoint")
-    tf, keras, comm = _keras(args.backend)
+    tf, keras, comm = _keras(args.backend, args)
     from apps.efficientnet.keras import data as data_
     from apps.efficientnet.keras.model import WarmupDecay, build_model, build_optimizer
-    if args.use_xla and args.batch_norm == "syncbn":
-        raise ValueError("--use_xla with --batch_norm syncbn: synchronized BatchNorm reduces "
-                         "inside the model, which XLA cannot compile; use one of the two")
+    # synchronized BatchNorm reduces inside the model, which one XLA program cannot hold:
+    # then XLA compiles what it can around it (TensorFlow's auto-clustering, as the recipe
+    # turns XLA on), else the whole step (jit_compile)
+    auto_jit = bool(args.use_xla) and args.batch_norm == "syncbn" and not args.run_eagerly
+    jit = bool(args.use_xla) and not auto_jit and not args.run_eagerly
+    if auto_jit:
+        tf.config.optimizer.set_jit("autoclustering")
     keras.utils.set_random_seed(args.seed)
-    if args.use_amp:
-        keras.mixed_precision.set_global_policy("mixed_float16")
+    policy = _policy(args)
+    if policy:
+        keras.mixed_precision.set_global_policy(policy)
     size, rank = comm.size, comm.rank
     image_size = args.image_size or (SMALL_CNN_RESOLUTION if args.arch == SMALL_CNN
                                      else get_variant(args.arch).resolution)
     global_batch = args.train_batch_size * size
     steps = args.steps_per_epoch
+    if not steps and args.train_num_examples:
+        steps = max(1, args.train_num_examples // global_batch)
     if not steps:
         steps = 100 if args.synthetic else max(1, sum(record_counts(
             data_.read_split(args, "train"), comm.team())) // global_batch)
     logger = MetricLogger(Path(args.model_dir) / args.log_filename, enabled=rank == 0)
     logger.log("PARAMETER", {**vars(args), "world_size": size}, echo=False)
+    for line in args.ignored:
+        logger.print(f"WARNING: {line}")
     logger.of = f"/{args.max_epochs}"
     base_lr = peak_lr(args.lr_init, global_batch)
     schedule = WarmupDecay(base_lr, steps, steps * args.max_epochs,
@@ -195,31 +229,39 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         model = build_model(args, image_size)
         model.compile(optimizer=comm.optimizer(build_optimizer(args, schedule),
                                                args.compression),
-                      jit_compile=bool(args.use_xla), metrics=[
+                      jit_compile=jit, run_eagerly=bool(args.run_eagerly), metrics=[
                           keras.metrics.CategoricalAccuracy(name="top1"),
                           keras.metrics.TopKCategoricalAccuracy(5, name="top5")],
                       loss=keras.losses.CategoricalCrossentropy(
                           from_logits=True, label_smoothing=args.label_smoothing))
+    if getattr(args, "resume_optional", False):
+        found = Path(args.model_dir) / CHECKPOINT
+        where = comm.broadcast_object(str(found) if rank == 0 and found.is_file() else None,
+                                      name="keras.ckpt_found")
+        if where is None:
+            logger.print(f"--resume_checkpoint: no checkpoint in --model_dir {args.model_dir} "
+                         f"yet; starting fresh")
+        args.resume_checkpoint = where
     start = 0
     if args.resume_checkpoint:
         start = restore_checkpoint(model, args.resume_checkpoint, comm)
         logger.print(f"resumed from {args.resume_checkpoint}: epoch {start}")
     logger.print(f"{args.arch} {args.mode}: {size} ranks (keras, {comm.name})")
+    xla = "auto-clustering" if auto_jit else "jit_compile" if jit else "off"
     logger.print(f"{image_size} px, global batch {global_batch}, {steps} steps/epoch, amp "
-                 f"{bool(args.use_amp)}, xla {bool(args.use_xla)}")
+                 f"{policy or 'off'}, xla {xla}")
     logger.print(f"peak lr {base_lr:.4g} = --lr_init {args.lr_init:g} x {global_batch} / "
                  f"{LR_BATCH_BASE} (NVIDIA's rule)")
     train = data_.train_dataset(args, rank, size, image_size, steps, start,
                                 comm.dataset_batch(args.train_batch_size))
-    evaluation = data_.eval_dataset(args, rank, size, image_size) \
-        if args.mode == "train_and_eval" else None
+    evaluation = data_.eval_dataset(args, rank, size, args.eval_img_size or image_size) \
+        if args.mode == "train_and_eval" and not args.skip_eval else None
     summary: dict[str, Any] = {}
     warmup = args.benchmark_warmup_steps if args.mode == "training_benchmark" else 1
     callbacks = [*comm.callbacks(),
-                 _callback(keras, tf, comm, args, logger, evaluation, summary, warmup)]
+                 _callback(keras, tf, comm, args, logger, evaluation, summary, warmup, jit)]
     t0 = time.perf_counter()
-    comm.fit(model, train, start, args.max_epochs, steps, callbacks, bool(args.use_xla),
-             args.train_batch_size)
+    comm.fit(model, train, start, args.max_epochs, steps, callbacks, jit, args.train_batch_size)
     summary["training_time"] = time.perf_counter() - t0
     logger.log("SUMMARY", summary)
     logger.close()

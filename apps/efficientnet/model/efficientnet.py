@@ -32,6 +32,7 @@ from apps.efficientnet.config.variants import (
 )
 
 __all__ = [
+    "ACTIVATIONS",
     "EfficientNet",
     "MBConv",
     "NormLayer",
@@ -39,6 +40,7 @@ __all__ = [
     "drop_connect",
     "efficientnet",
     "param_shapes",
+    "set_activation",
 ]
 
 #: ``norm_layer(num_features, eps=..., momentum=...)``, e.g. nn.BatchNorm2d or nn.SyncBatchNorm.
@@ -140,9 +142,12 @@ class EfficientNet(nn.Module):
         bn_momentum: float = 0.01,
         bn_eps: float = 1e-3,
         norm_layer: NormLayer | None = None,
+        activation: str = "swish",
+        weight_init: str = "fan_out",
     ) -> None:
         super().__init__()
         self.variant = variant
+        self.weight_init = weight_init
         base_norm = nn.BatchNorm2d if norm_layer is None else norm_layer
 
         def norm(num_features: int) -> nn.Module:
@@ -183,20 +188,24 @@ class EfficientNet(nn.Module):
         self.pool = nn.AdaptiveAvgPool2d(1)
         self.dropout = nn.Dropout(variant.dropout)
         self.classifier = nn.Linear(head, num_classes)
+        set_activation(self, activation)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """TF-style initialisation.
+        """TF-style initialisation (the recipe's variance scaling, ``weight_init`` picking
+        the fan).
 
-        Convolutions: normal with std ``sqrt(2 / fan_out)``, ``fan_out = k*k*out/groups`` (so
-        ``k*k`` for depthwise, as TF counts it); conv biases zero. Normalisation: weight 1, bias 0.
-        Classifier: uniform(-1/sqrt(num_classes), 1/sqrt(num_classes)), bias zero.
+        Convolutions: normal with std ``sqrt(2 / fan)``, ``fan_out = k*k*out/groups`` (so
+        ``k*k`` for depthwise, as TF counts it), ``fan_in = k*k*in/groups``; conv biases zero.
+        Normalisation: weight 1, bias 0. Classifier: uniform(-1/sqrt(fan), 1/sqrt(fan)) with
+        ``fan`` the classes (fan_out) or the features (fan_in), bias zero.
         """
+        fan_in = self.weight_init == "fan_in"
         for m in self.modules():
             if isinstance(m, nn.Conv2d):
                 kh, kw = m.kernel_size
-                fan_out = kh * kw * m.out_channels // m.groups
-                nn.init.normal_(m.weight, 0.0, math.sqrt(2.0 / fan_out))
+                fan = kh * kw * (m.in_channels if fan_in else m.out_channels) // m.groups
+                nn.init.normal_(m.weight, 0.0, math.sqrt(2.0 / fan))
                 if m.bias is not None:
                     nn.init.zeros_(m.bias)
             elif isinstance(m, nn.modules.batchnorm._NormBase | nn.GroupNorm):
@@ -204,7 +213,7 @@ class EfficientNet(nn.Module):
                     nn.init.ones_(m.weight)
                     nn.init.zeros_(m.bias)
             elif isinstance(m, nn.Linear):
-                bound = 1.0 / math.sqrt(m.out_features)
+                bound = 1.0 / math.sqrt(m.in_features if fan_in else m.out_features)
                 nn.init.uniform_(m.weight, -bound, bound)
                 nn.init.zeros_(m.bias)
 
@@ -216,6 +225,27 @@ class EfficientNet(nn.Module):
         """Class logits of shape ``(batch, num_classes)``."""
         x = self.pool(self.features(x)).flatten(1)
         return self.classifier(self.dropout(x))
+
+
+#: The recipe's ``--activation`` names (TensorFlow's) and the modules they stand for.
+ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
+    "swish": nn.SiLU, "silu": nn.SiLU, "simple_swish": nn.SiLU, "relu": nn.ReLU,
+    "relu6": nn.ReLU6, "hard_swish": nn.Hardswish, "gelu": nn.GELU, "elu": nn.ELU,
+    "selu": nn.SELU, "tanh": nn.Tanh, "sigmoid": nn.Sigmoid, "identity": nn.Identity,
+    "linear": nn.Identity,
+}
+
+
+def set_activation(model: nn.Module, name: str) -> None:
+    """Put the activation ``name`` (:data:`ACTIVATIONS`) wherever ``model`` has swish."""
+    if name not in ACTIVATIONS:
+        raise ValueError(f"unknown activation {name!r}; use one of {', '.join(ACTIVATIONS)}")
+    if ACTIVATIONS[name] is nn.SiLU:
+        return
+    for module in list(model.modules()):
+        for child, sub in list(module.named_children()):
+            if isinstance(sub, nn.SiLU):
+                setattr(module, child, ACTIVATIONS[name]())
 
 
 def efficientnet(arch: str, **kw: object) -> EfficientNet:

@@ -14,6 +14,7 @@ statistics (``hvd.oob_allreduce``) and SyncBatchNorm, and bootstraps gloo's stor
 
 from __future__ import annotations
 
+import contextlib
 import socket
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +26,7 @@ from torch import nn
 import shoal.torch
 from shoal.torch.device import local_device
 
-__all__ = ["BACKENDS", "Dist", "average", "compression", "init_distributed",
+__all__ = ["BACKENDS", "Dist", "accumulating", "average", "compression", "init_distributed",
            "shutdown_distributed", "unwrap", "wrap"]
 
 BACKENDS = ("shoal", "ddp-gloo", "ddp-shoal", "horovod")
@@ -124,13 +125,18 @@ def compression(name: str) -> Any:
 
 
 def wrap(model: nn.Module, optimizer: torch.optim.Optimizer, dist: Dist,
-         compression_name: str = "none",
-         sharded: bool = False) -> tuple[nn.Module, torch.optim.Optimizer]:
+         compression_name: str = "none", sharded: bool = False,
+         backward_passes: int = 1) -> tuple[nn.Module, torch.optim.Optimizer]:
     """Make ``model`` / ``optimizer`` data-parallel, with every rank starting from rank 0's
-    weights and optimizer state; ``sharded``: each rank keeps 1/N of the optimizer state."""
+    weights and optimizer state; ``sharded``: each rank keeps 1/N of the optimizer state;
+    ``backward_passes``: backward passes whose gradients one step averages (a DDP model is
+    then run under ``no_sync`` for all but the last, see :func:`accumulating`)."""
     if sharded and compression_name != "none":
         raise ValueError("--optimizer_sharding reduce-scatters gradients uncompressed; drop "
                          "--compression")
+    if sharded and backward_passes > 1:
+        raise ValueError("--optimizer_sharding reduce-scatters every backward pass; drop "
+                         "--grad_accum_steps")
     if not dist.backend.startswith("ddp-"):
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         hvd.broadcast_optimizer_state(optimizer, root_rank=0)
@@ -140,7 +146,8 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer, dist: Dist,
             return model, hvd.DistributedOptimizer(optimizer, model.named_parameters(),
                                                    sharded=True)
         return model, hvd.DistributedOptimizer(optimizer, model.named_parameters(),
-                                               compression=compression(compression_name))
+                                               compression=compression(compression_name),
+                                               backward_passes_per_step=backward_passes)
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     if compression_name == "bf16" and dist.device.type != "cuda":
@@ -158,6 +165,14 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer, dist: Dist,
         optimizer = ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer),
                                             **optimizer.defaults)
     return ddp, optimizer
+
+
+def accumulating(model: nn.Module, last: bool) -> contextlib.AbstractContextManager:
+    """The context of one backward pass of several that one step averages: DDP's
+    ``no_sync`` for all but the ``last`` (a DistributedOptimizer counts its passes itself)."""
+    if last or not isinstance(model, nn.parallel.DistributedDataParallel):
+        return contextlib.nullcontext()
+    return model.no_sync()
 
 
 def unwrap(model: nn.Module) -> nn.Module:

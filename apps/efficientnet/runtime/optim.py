@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["LRSchedule", "ModelEMA", "TFRMSprop", "build_optimizer", "param_groups"]
+__all__ = ["LRSchedule", "Lookahead", "ModelEMA", "TFRMSprop", "build_optimizer", "param_groups"]
 
 
 class TFRMSprop(torch.optim.Optimizer):
@@ -87,17 +87,55 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
 
 
 def build_optimizer(name: str, model: nn.Module, lr: float, weight_decay: float,
-                    momentum: float = 0.9, rho: float = 0.9, eps: float = 1e-3
+                    momentum: float = 0.9, rho: float = 0.9, eps: float = 1e-3,
+                    nesterov: bool = False, betas: tuple[float | None, float | None] = (None, None)
                     ) -> torch.optim.Optimizer:
-    """``rmsprop`` (TF-style), ``sgd`` (Nesterov momentum) or ``adamw``."""
+    """``rmsprop`` (TF-style), ``sgd``/``momentum`` (SGD with ``momentum``, Nesterov's with
+    ``nesterov``), ``adam`` or ``adamw`` (``betas``: None keeps 0.9 / 0.999)."""
     groups = param_groups(model, weight_decay)
     if name == "rmsprop":
         return TFRMSprop(groups, lr=lr, rho=rho, momentum=momentum, eps=eps)
-    if name == "sgd":
-        return torch.optim.SGD(groups, lr=lr, momentum=momentum, nesterov=momentum > 0)
+    if name in ("sgd", "momentum"):
+        return torch.optim.SGD(groups, lr=lr, momentum=momentum,
+                               nesterov=nesterov and momentum > 0)
+    b1, b2 = (0.9 if betas[0] is None else betas[0]), (0.999 if betas[1] is None else betas[1])
+    if name == "adam":
+        return torch.optim.Adam(groups, lr=lr, betas=(b1, b2), eps=eps)
     if name == "adamw":
-        return torch.optim.AdamW(groups, lr=lr)
-    raise ValueError(f"unknown optimizer {name!r}; use rmsprop, sgd or adamw")
+        return torch.optim.AdamW(groups, lr=lr, betas=(b1, b2), eps=eps)
+    raise ValueError(f"unknown optimizer {name!r}; use rmsprop, sgd, momentum, adam or adamw")
+
+
+class Lookahead:
+    """Lookahead (Zhang et al. 2019, as TensorFlow Addons' ``Lookahead``, which the recipe's
+    ``--lookahead`` wraps around its optimizer): every ``sync_period`` steps the slow weights
+    move ``slow_step_size`` of the way to the fast ones, and the fast ones restart there."""
+
+    def __init__(self, model: nn.Module, sync_period: int = 6, slow_step_size: float = 0.5
+                 ) -> None:
+        self.sync_period, self.alpha = sync_period, slow_step_size
+        self.slow = [p.detach().clone() for p in model.parameters()]
+        self.steps = 0
+
+    @torch.no_grad()
+    def update(self, model: nn.Module) -> None:
+        """Call after each optimizer step."""
+        self.steps += 1
+        if self.steps % self.sync_period:
+            return
+        for slow, p in zip(self.slow, model.parameters(), strict=True):
+            slow.lerp_(p.detach(), self.alpha)
+            p.copy_(slow)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Slow weights and the step count."""
+        return {"slow": self.slow, "steps": self.steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore from :meth:`state_dict`."""
+        for slow, saved in zip(self.slow, state["slow"], strict=True):
+            slow.copy_(saved)
+        self.steps = int(state["steps"])
 
 
 class LRSchedule:

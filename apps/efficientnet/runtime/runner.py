@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,7 @@ from apps.efficientnet.runtime.metrics import MetricLogger, latency_percentiles,
 from apps.efficientnet.runtime.trainer import (
     LATENCY_NAMES,
     Trainer,
+    amp_dtype,
     build_trainer,
     evaluate,
     image_size,
@@ -63,7 +64,8 @@ def build_datasets(args: argparse.Namespace, dist: Dist) -> tuple[Any, Any]:
                               **common)
     evaluation = None
     if args.mode in ("eval", "train_and_eval"):
-        eval_pp = Preprocess(size, False, crop_fraction=args.eval_crop_fraction)
+        eval_pp = Preprocess(args.eval_img_size or size, False,
+                             crop_fraction=args.eval_crop_fraction)
         evaluation = build_dataset(args.eval_data_dir, "eval", eval_pp,
                                    synthetic_length=10 * args.eval_batch_size * dist.size,
                                    **common)
@@ -75,7 +77,7 @@ def train_epoch(tr: Trainer, batches: Iterator[tuple[torch.Tensor, torch.Tensor]
     """``tr.steps_per_epoch`` steps; the epoch's statistics averaged over the ranks (the
     first ``warmup_steps`` are left out of throughput and latency)."""
     args, dist = tr.args, tr.dist
-    window = [0.0, 0.0, 0.0, 0.0]  # loss * count, top-1 hits, top-5 hits, count
+    window = [0.0, 0.0, 0.0, 0.0, 0.0]  # loss * count, top-1, top-5, count, seconds
     total = [0.0, 0.0, 0.0, 0.0]
     times: list[float] = []
     bar = progress_bar(tr.steps_per_epoch, f"epoch {tr.epoch + 1}/{args.max_epochs}",
@@ -83,11 +85,12 @@ def train_epoch(tr: Trainer, batches: Iterator[tuple[torch.Tensor, torch.Tensor]
     lr = 0.0
     for i in range(tr.steps_per_epoch):
         t0 = time.perf_counter()
-        images, labels = next(batches)
-        s = train_step(tr, images, labels)
+        s = train_step(tr, [next(batches) for _ in range(args.grad_accum_steps)])
+        took = time.perf_counter() - t0
         if i >= warmup_steps:
-            times.append(time.perf_counter() - t0)
+            times.append(took)
         lr = s.lr
+        window[4] += took
         for acc in (window, total):
             acc[0] += s.loss * s.count
             acc[1] += s.correct_top1
@@ -95,16 +98,18 @@ def train_epoch(tr: Trainer, batches: Iterator[tuple[torch.Tensor, torch.Tensor]
             acc[3] += s.count
         bar.update(1)
         if times:  # images/s of the job, as this rank sees it
-            rate = dist.size * args.train_batch_size * len(times) / sum(times)
+            rate = dist.size * s.count * len(times) / sum(times)
             bar.set_postfix_str(f"loss {s.loss:.3f}, {rate:.1f} img/s", refresh=False)
         if args.log_steps and tr.step % args.log_steps == 0:
             w = average(window, name=f"efficientnet.window.{tr.step}")
-            logger.log((tr.epoch + 1, tr.step), {
-                "training_loss": w[0] / w[3], "training_accuracy_top_1": 100 * w[1] / w[3],
-                "learning_rate": lr})
-            window = [0.0, 0.0, 0.0, 0.0]
+            record = {"training_loss": w[0] / w[3], "training_accuracy_top_1": 100 * w[1] / w[3],
+                      "learning_rate": lr}
+            if args.time_history:  # the recipe's TimeHistory: the window's images/s
+                record["examples_per_second"] = w[3] * dist.size / max(w[4], 1e-9)
+            logger.log((tr.epoch + 1, tr.step), record)
+            window = [0.0, 0.0, 0.0, 0.0, 0.0]
     bar.close()
-    per_worker = len(times) * args.train_batch_size / max(sum(times), 1e-9)
+    per_worker = len(times) * tr.global_batch / dist.size / max(sum(times), 1e-9)
     lat = latency_percentiles(times, "training")
     names = LATENCY_NAMES["training"]
     avg = average(total + [per_worker] + [lat.get(k, 0.0) for k in names],
@@ -125,13 +130,20 @@ def save(tr: Trainer, model_dir: str | os.PathLike[str]) -> Path | None:
     return None
 
 
+def _model_dir_checkpoint(dist: Dist, model_dir: str) -> str | None:
+    """The checkpoint in ``model_dir`` as rank 0 sees it (the one that writes them), on every
+    rank; None when there is none."""
+    found = Path(model_dir) / CHECKPOINT_NAME
+    where = str(found) if dist.is_root and found.is_file() else None
+    if dist.size > 1:
+        where = dist.hvd.broadcast_object(where, root_rank=0, name="efficientnet.ckpt_found")
+    return where
+
+
 def _eval_checkpoint(args: argparse.Namespace, dist: Dist, logger: MetricLogger) -> str | None:
     """The checkpoint ``--mode eval`` scores: ``--model_dir``'s when there is one (rank 0
     looks), else none with ``--eval_untrained``, else an error on every rank."""
-    found = Path(args.model_dir) / CHECKPOINT_NAME
-    where = str(found) if dist.is_root and found.is_file() else None
-    if dist.size > 1:
-        where = dist.hvd.broadcast_object(where, root_rank=0, name="efficientnet.eval_ckpt")
+    where = _model_dir_checkpoint(dist, args.model_dir)
     if where is not None:
         logger.print(f"eval: scoring the checkpoint in --model_dir ({where})")
         return where
@@ -145,21 +157,46 @@ def _eval_checkpoint(args: argparse.Namespace, dist: Dist, logger: MetricLogger)
     return None
 
 
+def _resume_from(args: argparse.Namespace, dist: Dist, logger: MetricLogger) -> str | None:
+    """What to resume from: ``--resume_checkpoint PATH``; bare, ``--model_dir``'s checkpoint
+    when it has one (else a fresh start, said so)."""
+    if not getattr(args, "resume_optional", False) or args.mode == "eval":
+        return args.resume_checkpoint
+    where = _model_dir_checkpoint(dist, args.model_dir)
+    if where is None:
+        logger.print(f"--resume_checkpoint: no checkpoint in --model_dir {args.model_dir} "
+                     f"yet; starting fresh")
+    return where
+
+
 def _run(args: argparse.Namespace, dist: Dist) -> dict[str, Any]:
-    if dist.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+    if args.intraop_threads:
+        torch.set_num_threads(args.intraop_threads)
+    elif dist.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.local_size))
+    if args.interop_threads:
+        try:
+            torch.set_num_interop_threads(args.interop_threads)
+        except RuntimeError as e:  # torch allows it once, before any inter-op work
+            args.ignored.append(f"--interop_threads could not be set: {e}")
     logger = MetricLogger(Path(args.model_dir) / args.log_filename, enabled=dist.is_root)
     logger.log("PARAMETER", {**vars(args), "world_size": dist.size}, echo=False)
+    for line in args.ignored:
+        logger.print(f"WARNING: {line}")
     logger.of = f"/{args.max_epochs}"
     train_ds, eval_ds = build_datasets(args, dist)
-    global_batch = args.train_batch_size * dist.size
-    steps = args.steps_per_epoch or (max(1, train_ds.num_examples() // global_batch)
+    global_batch = args.train_batch_size * dist.size * args.grad_accum_steps
+    examples = args.train_num_examples or (train_ds.num_examples() if train_ds else 0)
+    steps = args.steps_per_epoch or (max(1, examples // global_batch)
                                      if train_ds is not None else 1)
     tr = build_trainer(args, dist, steps)
     logger.print(f"{args.arch} {args.mode}: {dist.size} ranks ({args.backend}, {dist.device})")
-    logger.print(f"{image_size(args)} px, global batch {global_batch}, {steps} steps/epoch")
+    logger.print(f"{image_size(args)} px, global batch {global_batch}, {steps} steps/epoch, "
+                 f"amp {amp_dtype(args, dist.device) or 'off'}, "
+                 f"{'torch.compile' if args.use_xla else 'eager'}")
     logger.print(f"peak lr {tr.schedule.base_lr:.4g} = --lr_init {args.lr_init:g} x "
                  f"{global_batch} / {LR_BATCH_BASE} (NVIDIA's rule)")
+    args.resume_checkpoint = _resume_from(args, dist, logger)
     if args.mode == "eval" and not args.resume_checkpoint:
         args.resume_checkpoint = _eval_checkpoint(args, dist, logger)
     if args.resume_checkpoint:
@@ -169,7 +206,10 @@ def _run(args: argparse.Namespace, dist: Dist) -> dict[str, Any]:
             logger.print(resume_stream(tr, train_ds))
 
     def eval_loader() -> Any:
-        return make_loader(eval_ds, args.eval_batch_size, args.num_workers, drop_last=False)
+        loader = make_loader(eval_ds, args.eval_batch_size, args.num_workers, drop_last=False)
+        if not args.eval_num_examples:
+            return loader
+        return _first_examples(loader, max(1, args.eval_num_examples // dist.size))
 
     summary: dict[str, Any] = {}
     if args.mode == "eval":
@@ -184,7 +224,8 @@ def _run(args: argparse.Namespace, dist: Dist) -> dict[str, Any]:
             warmup = args.benchmark_warmup_steps if benchmark and tr.epoch == first else 1
             stats = train_epoch(tr, batches, logger, min(warmup, tr.steps_per_epoch - 1))
             tr.epoch += 1
-            evaluating = args.mode == "train_and_eval"
+            evaluating = args.mode == "train_and_eval" and not args.skip_eval and (
+                tr.epoch % args.num_epochs_between_eval == 0 or tr.epoch == args.max_epochs)
             logger.log((tr.epoch, tr.step), stats, echo=not evaluating)
             summary.update(stats)
             if evaluating:  # one line for the epoch: training, then evaluation
@@ -193,14 +234,24 @@ def _run(args: argparse.Namespace, dist: Dist) -> dict[str, Any]:
                 logger.echo((tr.epoch, tr.step), {**stats, **ev})
                 summary.update(ev)
             freq = args.save_checkpoint_freq
-            if not benchmark and ((freq and tr.epoch % freq == 0) or
-                                  tr.epoch == args.max_epochs):
+            if not benchmark and args.enable_checkpoint_and_export and (
+                    (freq and tr.epoch % freq == 0) or tr.epoch == args.max_epochs):
                 save(tr, args.model_dir)
         del batches
         summary["training_time"] = time.perf_counter() - start
     logger.log("SUMMARY", summary)
     logger.close()
     return summary
+
+
+def _first_examples(batches: Iterable[tuple[torch.Tensor, torch.Tensor]], limit: int
+                    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The batches of ``batches`` up to ``limit`` examples (the last one cut)."""
+    for images, labels in batches:
+        if limit <= 0:
+            return
+        yield images[:limit], labels[:limit]
+        limit -= int(labels.shape[0])
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,19 +26,19 @@ from apps.efficientnet.config.flags import peak_lr
 from apps.efficientnet.config.variants import SMALL_CNN, SMALL_CNN_RESOLUTION, get_variant
 from apps.efficientnet.model import SmallCNN, efficientnet
 from apps.efficientnet.runtime.checkpoint import capture_rng, restore_rng
-from apps.efficientnet.runtime.distributed import Dist, average, unwrap, wrap
+from apps.efficientnet.runtime.distributed import Dist, accumulating, average, unwrap, wrap
 from apps.efficientnet.runtime.losses import (
-    mixup,
-    sample_mixup_lambda,
+    mix_batch,
     smooth_targets,
     soft_cross_entropy,
     topk_correct,
 )
 from apps.efficientnet.runtime.metrics import latency_percentiles
-from apps.efficientnet.runtime.optim import LRSchedule, ModelEMA, build_optimizer
+from apps.efficientnet.runtime.optim import Lookahead, LRSchedule, ModelEMA, build_optimizer
 from shoal import timeline_range
 
-__all__ = ["LATENCY_NAMES", "StepStats", "Trainer", "build_trainer", "evaluate", "image_size",
+__all__ = ["LATENCY_NAMES", "StepStats", "Trainer", "amp_dtype", "build_trainer", "evaluate",
+           "image_size",
            "restore_trainer", "resume_stream", "stream_state", "train_step", "trainer_state"]
 
 LATENCY_NAMES = {kind: [f"{kind}_latency_{s}" for s in ("mean", "p90", "p95", "p99")]
@@ -71,6 +71,7 @@ class Trainer:
     steps_per_epoch: int
     ema: ModelEMA | None = None
     scaler: Any = None
+    lookahead: Lookahead | None = None
     np_rng: np.random.Generator = field(default_factory=np.random.default_rng)
     step: int = 0
     epoch: int = 0
@@ -78,8 +79,20 @@ class Trainer:
 
     @property
     def global_batch(self) -> int:
-        """Images per step over all ranks."""
-        return self.args.train_batch_size * self.dist.size
+        """Images per optimizer step over all ranks (accumulated batches included)."""
+        return self.args.train_batch_size * self.dist.size * self.args.grad_accum_steps
+
+
+def amp_dtype(args: argparse.Namespace, device: torch.device) -> torch.dtype | None:
+    """The autocast type: ``--dtype`` when it is 16-bit, else with ``--use_amp`` float16 on
+    CUDA and bfloat16 on the CPU; None: full precision."""
+    named = {"float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16,
+             "bf16": torch.bfloat16}.get(args.dtype)
+    if named is not None:
+        return named
+    if args.use_amp:
+        return torch.float16 if device.type == "cuda" else torch.bfloat16
+    return None
 
 
 def image_size(args: argparse.Namespace) -> int:
@@ -97,31 +110,36 @@ def build_trainer(args: argparse.Namespace, dist: Dist, steps_per_epoch: int) ->
     bn = {"bn_momentum": 1.0 - args.bn_momentum, "bn_eps": args.bn_epsilon, "norm_layer": norm}
     model = (SmallCNN(args.num_classes, **bn) if args.arch == SMALL_CNN else
              efficientnet(args.arch, num_classes=args.num_classes,
-                          drop_connect_rate=args.drop_connect_rate, **bn)).to(dist.device)
-    global_batch = args.train_batch_size * dist.size
+                          drop_connect_rate=args.drop_connect_rate, activation=args.activation,
+                          weight_init=args.weight_init, **bn)).to(dist.device)
+    global_batch = args.train_batch_size * dist.size * args.grad_accum_steps
     base_lr = peak_lr(args.lr_init, global_batch)
     optimizer = build_optimizer(args.optimizer, model, base_lr, args.weight_decay,
                                 momentum=args.momentum, rho=args.rmsprop_decay,
-                                eps=args.rmsprop_epsilon)
+                                eps=args.epsilon, nesterov=args.nesterov,
+                                betas=(args.beta_1, args.beta_2))
     model, optimizer = wrap(model, optimizer, dist, args.compression,
-                            sharded=args.optimizer_sharding)
+                            sharded=args.optimizer_sharding,
+                            backward_passes=args.grad_accum_steps)
     schedule = LRSchedule(base_lr, steps_per_epoch, steps_per_epoch * args.max_epochs,
                           args.lr_warmup_epochs, args.lr_decay, args.lr_decay_rate,
                           args.lr_decay_epochs)
     ema = (ModelEMA(unwrap(model), args.moving_average_decay)
            if args.moving_average_decay > 0 else None)
-    scaler = (torch.amp.GradScaler("cuda") if args.use_amp and dist.device.type == "cuda"
-              else None)
+    # float16 needs its loss scaled so that small gradients survive; bfloat16 does not
+    scaler = (torch.amp.GradScaler(dist.device.type)
+              if amp_dtype(args, dist.device) == torch.float16 else None)
+    lookahead = Lookahead(unwrap(model)) if args.lookahead else None
     forward = torch.compile(model) if args.use_xla else model
     torch.manual_seed(args.seed + 1000 * dist.rank)  # dropout and drop-connect differ per rank
     return Trainer(args, dist, model, forward, optimizer, schedule, steps_per_epoch, ema,
-                   scaler, np.random.default_rng([args.seed, dist.rank]))
+                   scaler, lookahead, np.random.default_rng([args.seed, dist.rank]))
 
 
 def _autocast(tr: Trainer) -> contextlib.AbstractContextManager:
-    if not tr.args.use_amp:
+    dtype = amp_dtype(tr.args, tr.dist.device)
+    if dtype is None:
         return contextlib.nullcontext()
-    dtype = torch.float16 if tr.dist.device.type == "cuda" else torch.bfloat16
     return torch.autocast(tr.dist.device.type, dtype=dtype)
 
 
@@ -130,40 +148,65 @@ def _normalize(images: torch.Tensor, device: torch.device) -> torch.Tensor:
     return (x - _MEAN.to(device)) / _STD.to(device)
 
 
-def train_step(tr: Trainer, images: torch.Tensor, labels: torch.Tensor) -> StepStats:
-    """One optimizer step on this rank's batch (``uint8`` NCHW images, int labels)."""
+def train_step(tr: Trainer, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]
+               ) -> StepStats:
+    """One optimizer step on this rank's ``batches`` (``--grad_accum_steps`` of them, of
+    ``uint8`` NCHW images and int labels): their gradients are averaged, then clipped to
+    ``--grad_clip_norm`` when asked, then applied."""
     args, opt = tr.args, tr.optimizer
     tr.model.train()
-    labels = labels.to(tr.dist.device)
-    x = _normalize(images, tr.dist.device)
-    targets = smooth_targets(labels, args.num_classes, args.label_smoothing)
-    x, targets = mixup(x, targets, sample_mixup_lambda(args.mixup_alpha, tr.np_rng))
     lr = tr.schedule.apply(opt, tr.step)
     opt.zero_grad()  # Horovod's optimizer takes no set_to_none (the default: True)
-    with timeline_range("FORWARD"):
-        with _autocast(tr):
-            logits = tr.forward(x)
-        loss = soft_cross_entropy(logits, targets)
-    if tr.scaler is None:
-        with timeline_range("BACKWARD"):
-            loss.backward()
-        with timeline_range("STEP"):
-            opt.step()
-    else:
-        tr.scaler.scale(loss).backward()
-        if hasattr(opt, "synchronize"):  # Horovod's recipe for AMP with DistributedOptimizer
-            opt.synchronize()
-            tr.scaler.unscale_(opt)
-            with opt.skip_synchronize():
-                tr.scaler.step(opt)
-        else:
-            tr.scaler.step(opt)
-        tr.scaler.update()
+    loss_sum, top1, top5, count = 0.0, 0, 0, 0
+    for i, (images, labels) in enumerate(batches):
+        labels = labels.to(tr.dist.device)
+        x = _normalize(images, tr.dist.device)
+        targets = smooth_targets(labels, args.num_classes, args.label_smoothing)
+        x, targets = mix_batch(x, targets, args.mixup_alpha, args.cutmix_alpha, tr.np_rng)
+        with accumulating(tr.model, last=i == len(batches) - 1):
+            with timeline_range("FORWARD"):
+                with _autocast(tr):
+                    logits = tr.forward(x)
+                loss = soft_cross_entropy(logits, targets)
+            with timeline_range("BACKWARD"):
+                scaled = loss / len(batches)
+                (scaled if tr.scaler is None else tr.scaler.scale(scaled)).backward()
+        loss_sum += float(loss.detach()) * int(labels.shape[0])
+        a, b = topk_correct(logits.detach(), labels)
+        top1, top5, count = top1 + a, top5 + b, count + int(labels.shape[0])
+    with timeline_range("STEP"):
+        _apply(tr)
+    if tr.lookahead is not None:
+        tr.lookahead.update(unwrap(tr.model))
     if tr.ema is not None:
         tr.ema.update(unwrap(tr.model))
     tr.step += 1
-    top1, top5 = topk_correct(logits.detach(), labels)
-    return StepStats(float(loss.detach()), top1, top5, int(labels.shape[0]), lr)
+    return StepStats(loss_sum / max(count, 1), top1, top5, count, lr)
+
+
+def _apply(tr: Trainer) -> None:
+    """The optimizer step after the backward passes: gradients unscaled (AMP) and clipped
+    when asked, after they are averaged over the ranks."""
+    opt, scaler, clip = tr.optimizer, tr.scaler, tr.args.grad_clip_norm
+    if scaler is None and not clip:
+        opt.step()
+        return
+    # Horovod's recipe: finish the allreduce, touch the averaged gradients, then step
+    # without reducing again
+    synced = hasattr(opt, "synchronize")
+    if synced:
+        opt.synchronize()
+    if scaler is not None:
+        scaler.unscale_(opt)
+    if clip:
+        torch.nn.utils.clip_grad_norm_(unwrap(tr.model).parameters(), clip)
+    with opt.skip_synchronize() if synced else contextlib.nullcontext():
+        if scaler is None:
+            opt.step()
+        else:
+            scaler.step(opt)
+    if scaler is not None:
+        scaler.update()
 
 
 @torch.no_grad()
@@ -210,6 +253,7 @@ def trainer_state(tr: Trainer) -> dict[str, Any]:
     return {"model": unwrap(tr.model).state_dict(), "optimizer": optimizer,
             "ema": tr.ema.state_dict() if tr.ema is not None else None,
             "scaler": tr.scaler.state_dict() if tr.scaler is not None else None,
+            "lookahead": tr.lookahead.state_dict() if tr.lookahead is not None else None,
             "epoch": tr.epoch, "step": tr.step, "rng": rng, "args": vars(tr.args),
             "data": stream_state(tr)}
 
@@ -217,7 +261,8 @@ def trainer_state(tr: Trainer) -> dict[str, Any]:
 def stream_state(tr: Trainer) -> dict[str, int]:
     """The training data stream's position: batches consumed (one per step) and what the
     stream's layout depends on (batch size, DataLoader workers, ranks, seed)."""
-    return {"batches": tr.step, "batch_size": tr.args.train_batch_size,
+    return {"batches": tr.step * tr.args.grad_accum_steps,
+            "batch_size": tr.args.train_batch_size,
             "workers": tr.args.num_workers, "world_size": tr.dist.size, "seed": tr.args.seed,
             "epoch": tr.epoch}
 
@@ -253,6 +298,8 @@ def restore_trainer(tr: Trainer, state: dict[str, Any] | None) -> None:
         tr.ema.load_state_dict(state["ema"])
     if tr.scaler is not None and state.get("scaler"):
         tr.scaler.load_state_dict(state["scaler"])
+    if tr.lookahead is not None and state.get("lookahead"):
+        tr.lookahead.load_state_dict(state["lookahead"])
     tr.epoch, tr.step = int(state["epoch"]), int(state["step"])
     tr.data_state = state.get("data")
     rngs = state.get("rng") or []
