@@ -12,8 +12,8 @@ data=.cache/digits-tfrecords
 .venv/bin/python -m apps.efficientnet.dataloader.digits --out "$data"
 exec .venv/bin/shoalrun -np "${NP:-2}" .venv/bin/python -m apps.efficientnet.main \
   --mode train_and_eval --arch efficientnet-b0 --data_dir "$data" --num_classes 10 \
-  --image_size 32 --max_epochs 8 --train_batch_size 32 --eval_batch_size 64 \
-  --optimizer rmsprop --lr_init 0.004 --lr_warmup_epochs 2 --lr_decay cosine \
+  --image_size 32 --max_epochs 12 --train_batch_size 32 --eval_batch_size 64 \
+  --optimizer rmsprop --lr_init 0.002 --lr_warmup_epochs 2 --lr_decay cosine \
   --batch_norm syncbn --bn_momentum 0.9 --augmenter_name none --crop_min_scale 0.5 \
   --random_flip false --num_workers 1 --log_steps 0 --save_checkpoint_freq 0 \
   --model_dir results/efficientnet-digits \

@@ -85,7 +85,9 @@ def test_refused_values_name_the_flag() -> None:
     for argv, flag in ((["--cutout_const", "20"], "cutout_const"),
                        (["--translate_const", "50"], "translate_const"),
                        (["--autoaugmentation_name", "svhn"], "autoaugmentation_name"),
-                       (["--activation", "mish"], "activation")):
+                       (["--activation", "mish"], "activation"),
+                       (["--framework", "tensorflow", "--eval_img_size", "64"],
+                        "eval_img_size")):
         with pytest.raises(recipe.UnsupportedFlagError, match=f"^--{flag}: "):
             parse_args(argv, environ={})
 
@@ -159,6 +161,45 @@ def test_walkthrough_dictionary_is_the_walkthroughs_run(path: str) -> None:
             args.weight_decay) == ("train", "efficientnet-b4", True, True, 5, 64, 0.005,
                                    "syncbn", 0.2, 5e-6)
     assert args.ignored == []
+
+
+@pytest.mark.slow
+def test_walkthrough_job_under_shoalrun_sagemaker(tmp_path: Path) -> None:
+    """The walkthrough's dictionary verbatim as a SageMaker job: shoalrun --sagemaker starts
+    the worker with them as flags (and SM_HPS in its environment), main.py run as a file, as
+    SageMaker's entry_point. Overridden so that a CPU runs it in a minute or two: the image size
+    and the steps, and the framework (the walkthrough's container has only TensorFlow)."""
+    import os
+    import subprocess
+    pytest.importorskip("tensorflow")
+    from apps.efficientnet.dataloader.digits import digits_jpegs, write_imagenet_layout
+    data, model_dir = tmp_path / "data", tmp_path / "model"
+    jpegs, labels = digits_jpegs(32)
+    write_imagenet_layout(data, jpegs[:256], labels[:256], "train", 2)
+    conf = tmp_path / "input" / "config"
+    conf.mkdir(parents=True)
+    conf.joinpath("resourceconfig.json").write_text(json.dumps(
+        {"current_host": "algo-1", "hosts": ["algo-1"], "network_interface_name": "lo"}))
+    hps = {**WALKTHROUGH, "image_size": 32, "steps_per_epoch": 1, "framework": "tensorflow"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SHOAL_", "SM_"))}
+    env.update(SAGEMAKER_BASE_DIR=str(tmp_path), SM_NUM_GPUS="1", SM_HPS=json.dumps(hps),
+               SM_CHANNEL_TRAIN=str(data), SM_MODEL_DIR=str(model_dir),
+               PYTHONPATH=str(ROOT / "src"), TF_CPP_MIN_LOG_LEVEL="2")
+    proc = subprocess.run([sys.executable, "-m", "shoal.runner", "--sagemaker", sys.executable,
+                           str(ROOT / "apps" / "efficientnet" / "main.py")], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "amp mixed_float16, xla auto-clustering" in proc.stdout, proc.stdout[-2000:]
+    lines = _log(model_dir)
+    params = next(x["data"] for x in lines if x.get("step") == "PARAMETER")
+    assert {k: params[k] for k in WALKTHROUGH} == {
+        "mode": "train", "arch": "efficientnet-b4", "use_amp": True, "use_xla": True,
+        "max_epochs": 5, "train_batch_size": 64, "lr_init": 0.005, "batch_norm": "syncbn",
+        "mixup_alpha": 0.2, "weight_decay": 5e-6}
+    assert params["framework"] == "tensorflow" and params["ignored"] == []
+    epochs = [x["step"][0] for x in lines if isinstance(x.get("step"), list)
+              and "training_loss" in x["data"]]
+    assert epochs == [1, 2, 3, 4, 5] and lines[-1]["step"] == "SUMMARY"
 
 
 def test_framework_defaults_to_the_only_one_installed(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -130,6 +130,13 @@ def _given(args: argparse.Namespace, name: str) -> bool:
     return value is not None and value != idle and not (kind == _BOOL and not value)
 
 
+def _train_size(args: argparse.Namespace) -> int:
+    from apps.efficientnet.config.variants import SMALL_CNN, SMALL_CNN_RESOLUTION, get_variant
+    if args.image_size:
+        return int(args.image_size)
+    return SMALL_CNN_RESOLUTION if args.arch == SMALL_CNN else get_variant(args.arch).resolution
+
+
 def _refusals(args: argparse.Namespace) -> None:
     keras = args.framework == "tensorflow"
     if args.activation not in ACTIVATION_NAMES:
@@ -151,6 +158,10 @@ def _refusals(args: argparse.Namespace) -> None:
     if keras and args.cutmix_alpha > 0:
         raise UnsupportedFlagError("cutmix_alpha", "CutMix is implemented for the PyTorch "
                                    "application only (--framework torch)")
+    if keras and args.eval_img_size and args.eval_img_size != _train_size(args):
+        raise UnsupportedFlagError("eval_img_size", "Keras's EfficientNet is built for one "
+                                   "input size; evaluating at another is implemented for the "
+                                   "PyTorch application only (--framework torch)")
     if keras and args.grad_accum_steps > 1:
         raise UnsupportedFlagError("grad_accum_steps", "gradient accumulation is implemented "
                                    "for the PyTorch application only (--framework torch)")

@@ -65,13 +65,13 @@ SHOWN: tuple[tuple[str, str], ...] = (
     ("training_accuracy_top_1", "acc {:.1f}%"),
     ("eval_accuracy_top_1", "eval {:.1f}%"),
     ("avg_exp_per_second_training", "{:.0f} img/s"),
-    ("learning_rate", "lr {:.3g}"),
+    ("learning_rate", "lr {:.2g}"),
 )
 _SHOWN = {name for name, _ in SHOWN}
 
 
 def compact(data: dict[str, Any]) -> str:
-    """The metrics of :data:`SHOWN` that ``data`` has, short (``loss 1.234  acc 45.6%``: the
+    """The metrics of :data:`SHOWN` that ``data`` has, short (``loss 1.234 acc 45.6%``: the
     training loss and top-1, ``eval``: the evaluation's top-1),
     then any other value that is not a number (``checkpoint ...``)."""
     parts = [fmt.format(data[name]) for name, fmt in SHOWN
@@ -81,7 +81,7 @@ def compact(data: dict[str, Any]) -> str:
                   f"loss {data.get('eval_loss', 0.0):.3f}"]
     parts += [f"{k} {v}" for k, v in data.items()
               if k not in _SHOWN and not isinstance(v, int | float)]
-    return "  ".join(parts)
+    return " ".join(parts)  # a line fits 80 columns behind shoalrun's rank tag
 
 
 def _cell(data: dict[str, Any], key: str, fmt: str, width: int) -> str:
