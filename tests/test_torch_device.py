@@ -264,3 +264,84 @@ def test_cuda_lane_orders_copies_with_events() -> None:
     back = torch.empty_like(x)
     lane.upload(host, back)
     assert torch.equal(back, x * 2)
+
+
+def _lazy_group(rank: int) -> list[float]:
+    import gc
+    import os
+
+    import shoal
+    from shoal.core.ops import ReduceOp
+    from shoal.torch.device.group import device_group_for
+    # gloo connecting at its first collective, as NCCL always does: the group calls the
+    # store then, long after it was built
+    os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
+    comm = shoal.communicator()
+    group = device_group_for(comm, torch.device("cpu"))
+    assert group is not None
+    gc.collect()  # nothing but the group may keep the store's Python half alive
+    red = group.allreduce_async(torch.full((10,), float(rank + 1)), ReduceOp.SUM, "lazy")
+    red.wait()
+    return red.finish().tolist()
+
+
+def test_a_lazily_connecting_device_group_keeps_its_store() -> None:
+    got = run_ranks(_lazy_group, 2, hosts=["a", "a"], timeout=60, device_group="on",
+                    device_group_backend="gloo")
+    assert got == [[3.0] * 10, [3.0] * 10]
+
+
+def _branchy(rank: int) -> dict[str, list]:
+    import copy
+
+    import shoal
+    import shoal.torch as hvd
+    from shoal.torch.device.group import device_group_for
+    torch.manual_seed(5)
+    model = torch.nn.ModuleDict({k: torch.nn.Linear(6, 3) for k in "abc"})
+    start = copy.deepcopy(model)
+    group = device_group_for(shoal.communicator(), torch.device("cpu"))
+    launched: list[str] = []
+    submit = group.allreduce_async
+
+    def record(flat, op, name, *a, **k):  # the order this rank issues group collectives in
+        launched.append(name)
+        return submit(flat, op, name, *a, **k)
+    group.allreduce_async = record
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), bucket_bytes=1)
+
+    def loss(net: torch.nn.ModuleDict, r: int, x: torch.Tensor) -> torch.Tensor:
+        # autograd runs the branch built last first: the ranks' gradients arrive in opposite
+        # orders, and c (rank 1 only) is unused on rank 0
+        order = "ab" if r == 0 else "cba"
+        return sum(net[k](x).square().sum() for k in order)
+
+    xs = [torch.randn(4, 6, generator=torch.Generator().manual_seed(r)) for r in range(2)]
+    want = {}
+    for r in range(2):
+        ref = copy.deepcopy(start)
+        loss(ref, r, xs[r]).backward()
+        for name, p in ref.named_parameters():
+            g = p.grad if p.grad is not None else torch.zeros_like(p)
+            want[name] = want.get(name, 0) + g / 2
+    worst = 0.0
+    for _ in range(2):  # the first step, then the settled bucket order
+        opt.zero_grad()
+        with torch.no_grad():
+            for p, q in zip(model.parameters(), start.parameters(), strict=True):
+                p.copy_(q)
+        loss(model, rank, xs[rank]).backward()
+        opt.synchronize()
+        for name, p in model.named_parameters():
+            worst = max(worst, float((p.grad - want[name]).abs().max()))
+        with opt.skip_synchronize():
+            opt.step()
+    return {"launched": launched, "worst": [worst]}
+
+
+def test_device_group_launches_in_bucket_order_whatever_the_arrival_order() -> None:
+    got = run_ranks(_branchy, 2, hosts=["a", "a"], timeout=60, device_group="on",
+                    device_group_backend="gloo")
+    assert got[0]["launched"] == got[1]["launched"] and len(got[0]["launched"]) == 12
+    assert all(g["worst"][0] < 1e-5 for g in got), got

@@ -98,6 +98,11 @@ class Buckets:
         devices = [p.device for p in self._params if p.device.type != "cpu"]
         self._group = device_group_for(self._comm, devices[0] if devices else
                                        torch.device("cpu"))
+        # a device group (NCCL) matches collectives by the order they are issued, not by
+        # name: then buckets launch strictly in bucket order on every rank, as DDP's reducer
+        # does, whatever order this rank's gradients arrive in (the engine matches names)
+        self._in_order = self._group is not None
+        self._next = 0  # the first bucket not launched yet, when launching in order
         self._build(list(reversed(range(len(self._params)))))
 
     # -- layout ----------------------------------------------------------------------------
@@ -171,8 +176,16 @@ class Buckets:
         b.marks.add(j)
         if self._arrival is not None:
             self._arrival.append(self._index[p])
-        if len(b.marks) == len(b.params):
-            self._submit(b)
+        if not self._in_order:
+            if len(b.marks) == len(b.params):
+                self._submit(b)
+            return
+        while self._next < len(self._buckets):
+            head = self._buckets[self._next]
+            if len(head.marks) < len(head.params):
+                break
+            self._submit(head)
+            self._next += 1
 
     def _submit(self, b: _Bucket) -> None:
         op, prescale = self._op, 1.0
@@ -211,6 +224,7 @@ class Buckets:
                     elif p.grad.data_ptr() != b.views[j].data_ptr():
                         b.views[j].copy_(p.grad)
                 self._submit(b)
+        self._next = 0
         post = self._predivide / self._comm.size if self._predivide != 1.0 else 1.0
         error: BaseException | None = None
         for b in self._buckets:

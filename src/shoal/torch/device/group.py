@@ -102,9 +102,14 @@ class DeviceGroup:
     """A host's device group (any torch process group over its local ranks, local rank =
     group rank) and the shoal communicator across hosts (this local rank on every host)."""
 
-    def __init__(self, local: Any, cross: Communicator, local_size: int, size: int) -> None:
+    def __init__(self, local: Any, cross: Communicator, local_size: int, size: int,
+                 store: dist.Store | None = None) -> None:
         self.local = local
         self.cross = cross
+        # torch's group holds only the C++ half of a Python store; NCCL (and gloo with
+        # TORCH_GLOO_LAZY_INIT) calls it at the first collective, so the Python half must
+        # live as long as the group
+        self.store = store
         self.local_size = local_size
         self.size = size
 
@@ -232,4 +237,4 @@ def _build(comm: Communicator, device: torch.device, backend: str) -> DeviceGrou
         raise ValueError(f"SHOAL_DEVICE_GROUP_BACKEND={backend!r}: use nccl or gloo")
     cross = comm.split(world.cross_peers)
     assert cross is not None
-    return DeviceGroup(local, cross, world.local_size, comm.size)
+    return DeviceGroup(local, cross, world.local_size, comm.size, store)
