@@ -301,6 +301,16 @@ def profiled_step(device: torch.device) -> dict[str, Any]:
                                    model.named_parameters(), bucket_bytes=2 << 20)
     x = torch.randn(256, 1024, device=device)
     y = torch.randint(0, 10, (256,), device=device)
+    # backward's hooks (shoal's among them) run on autograd's device thread on a GPU, not the
+    # main one: mark where gradients become ready, so that every training thread is watched
+    training_threads: set[str] = set()
+
+    def grad_ready(_: torch.Tensor) -> None:
+        training_threads.add(threading.current_thread().name)
+        with record_function("check.grad_ready"):
+            pass
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(grad_ready)
 
     def step(phase: list[str]) -> None:
         phase[0] = "forward"
@@ -327,22 +337,29 @@ def profiled_step(device: torch.device) -> dict[str, Any]:
             torch.cuda.current_stream(device).synchronize()
     events = list(prof.events())
     marks = {e.name: e for e in events if e.name.startswith("check.")}
-    main_tid = marks["check.backward"].thread
+    tids = {marks["check.backward"].thread} | {e.thread for e in events
+                                               if e.name == "check.grad_ready"}
     lo = marks["check.forward"].time_range.start
     bwd_end = marks["check.backward"].time_range.end
     hi = marks["check.step"].time_range.end
-    runtime_waits = [e.name for e in events if e.name in _SYNCS and e.thread == main_tid
+    runtime_waits = [e.name for e in events if e.name in _SYNCS and e.thread in tids
                      and lo <= e.time_range.start <= bwd_end]
     kernels = [(e.time_range.start, e.time_range.end) for e in events
                if str(getattr(e, "device_type", "")).endswith("CUDA")]
     busy = _busy_share(kernels, lo, hi) if kernels else None
-    main = threading.main_thread().name
-    # shoal's own waits (Download.wait; on a GPU it synchronises an event): none may run on
-    # the training thread before step(); the engine thread's are the design
-    before_step = [w for w in seen if w[0] == main and w[1] in ("forward", "backward")]
+    # shoal's own waits (Download.wait; on a GPU it synchronises an event): none may run
+    # before step() on any thread but shoal's own (the engine's and its pool's: the design),
+    # whether the main thread or autograd's
+    before_step = [w for w in seen if not w[0].startswith("shoal-")
+                   and w[1] in ("forward", "backward")]
+    by_thread: dict[str, int] = {}
+    for w in seen:
+        by_thread[w[0]] = by_thread.get(w[0], 0) + 1
     result = {"buckets": opt._buckets.count if opt._buckets is not None else 0,
               "shoal_host_waits_before_step": len(before_step),
-              "host_waits_by_engine_thread": sum(1 for w in seen if w[0] != main),
+              "host_waits_by_shoal_threads": sum(1 for w in seen if w[0].startswith("shoal-")),
+              "host_waits_by_thread": by_thread,
+              "training_threads": sorted(training_threads),
               "runtime_syncs_on_training_thread_in_backward": len(runtime_waits),
               "gpu_idle_share_of_step": None if busy is None else round(1.0 - busy, 4),
               "step_ms": round((hi - lo) / 1000.0, 3)}
@@ -352,6 +369,42 @@ def profiled_step(device: torch.device) -> dict[str, Any]:
     return result
 
 
+def solo_device_group(device: torch.device) -> dict[str, Any]:
+    """SMDDP's orchestration over a one-rank device group per rank (NCCL on a GPU; on the
+    CPU gloo, made to connect lazily as NCCL always does): the group meets through shoal's
+    store at its first collective, after a garbage collection, so a store that does not
+    outlive its group fails here even on a machine with one GPU. Results against numpy."""
+    import gc
+    import os
+
+    import shoal
+    from shoal.core.ops import ReduceOp
+    from shoal.torch.device.group import make_device_group
+    os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
+    comm = shoal.communicator()
+    rank, n = comm.rank, comm.size
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    group = make_device_group(comm, device, backend, 0, 1, list(range(n)),
+                              f"gpucheck/solo/{rank}")
+    gc.collect()
+    count = 0
+    try:
+        for dtype in (torch.float32, torch.float16):
+            for length in LENGTHS:
+                for op in (ReduceOp.SUM, ReduceOp.AVERAGE):
+                    case = f"solo/{dtype}/{length}/{op.name}"
+                    flat = _rand(case, rank, (length,), dtype).to(device)
+                    red = group.allreduce_async(flat, op, case)
+                    red.wait()
+                    total = np.sum(_all(case, n, (length,), dtype), axis=0)
+                    _close(red.finish(), total / n if op is ReduceOp.AVERAGE else total, dtype,
+                           f"device group {case}", device)
+                    count += 1
+    finally:
+        group.close()
+    return {"backend": backend, "reductions": count}
+
+
 CHECKS: dict[str, Callable[[torch.device], dict[str, Any]]] = {
     "collectives": collectives, "amp": amp_training, "syncbn_ddp": syncbn_and_ddp,
-    "profile": profiled_step}
+    "profile": profiled_step, "device_group": solo_device_group}

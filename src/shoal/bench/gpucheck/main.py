@@ -2,10 +2,12 @@
 (what ``scripts/gpu-check.sh`` runs).
 
 Each check of :mod:`.checks` runs in 2 ranks under shoalrun (they share the one GPU), then
-the application's EfficientNet-B0 ``training_benchmark`` runs at 224 px, AMP on and off, on
-1 and 2 ranks, beside the "independent" ceiling: as many single-rank runs at once as there
-are ranks, with no communication, their images/s summed. Everything lands in one JSON file;
-the exit status is non-zero when anything failed. ``--dry-run`` walks every step on CPU
+EfficientNet-B0 trains on synthetic device tensors (:mod:`.bench`: the application's model, no
+data modules) at 224 px with AMP on 1 and 2 ranks, beside the "independent" ceiling: as many
+single-rank runs at once as there are ranks, with no communication, their images/s summed.
+Everything lands in one JSON file, rewritten after every step (``complete`` is false until
+the last), so a run cut at its time limit still returns what it did; the exit status is
+non-zero when anything failed. ``--dry-run`` walks every step on CPU
 tensors through the device stage's stand-in, at toy sizes, so the script is proven before
 GPU time is spent on it.
 """
@@ -28,7 +30,7 @@ RANKS = 2
 #: the benchmark's shape: (image px, per-rank batch, steps, warmup steps)
 GPU_BENCH = (224, 128, 40, 10)
 DRY_BENCH = (32, 4, 4, 1)
-BUDGET_S = 320.0  # all steps together (gpu-check.sh kills the driver at 345 s)
+BUDGET_S = 200.0  # all steps together, about 3 minutes (gpu-check.sh kills it at 230 s)
 NVIDIA_A100_B0_AMP = 3450  # images/s, NVIDIA's published figure for B0 + AMP on one A100
 
 
@@ -70,48 +72,40 @@ def run_check(name: str, dry: bool, timeout: float) -> dict[str, Any]:
             **({} if ok else {"output_tail": tail})}
 
 
-def _app_argv(amp: bool, bench: tuple[int, int, int, int], model_dir: str,
-              dry: bool) -> list[str]:
+def _bench_argv(amp: bool, bench: tuple[int, int, int, int], out: str,
+                alone: bool = False) -> list[str]:
     px, batch, steps, warmup = bench
-    return ["-m", "apps.efficientnet.main", "--mode", "training_benchmark", "--synthetic",
-            "--arch", "efficientnet-b0", "--image_size", str(px), "--num_classes", "1000",
-            "--train_batch_size", str(batch), "--max_epochs", "1", "--steps_per_epoch",
-            str(steps), "--benchmark_warmup_steps", str(warmup), "--use_amp",
-            "true" if amp else "false", "--num_workers", "1" if dry else "4",
-            "--log_steps", "0", "--model_dir", model_dir, "--lr_init", "0.004"]
+    return ["-m", "shoal.bench.gpucheck.bench", out, "--px", str(px), "--batch", str(batch),
+            "--steps", str(steps), "--warmup", str(warmup), *(["--amp"] if amp else []),
+            *(["--alone"] if alone else [])]
 
 
-def _images_per_second(model_dir: str) -> float:
-    for line in reversed(Path(model_dir, "log.json").read_text().splitlines()):
-        entry = json.loads(line)
-        if entry.get("step") == "SUMMARY":
-            return float(entry["data"]["avg_exp_per_second_training"])
-    raise RuntimeError(f"no SUMMARY line in {model_dir}/log.json")
+def _images_per_second(out: str) -> float:
+    return float(json.loads(Path(out).read_text())["images_per_s"])
 
 
 def run_benchmark(dry: bool, timeout: float) -> dict[str, Any]:
-    """images/s of the application, AMP on and off, 1 and RANKS ranks, and the ceiling;
-    ``timeout`` bounds each launch."""
+    """images/s of EfficientNet-B0 on synthetic device tensors with AMP, 1 and RANKS ranks,
+    and the ceiling (RANKS runs at once, alone); ``timeout`` bounds each launch."""
     start = time.perf_counter()
     bench = DRY_BENCH if dry else GPU_BENCH
     rows, ok, errors = [], True, []
     env = _env(dry)
-    for amp in (True, False):
-        for ranks in (1, RANKS):
-            row: dict[str, Any] = {"amp": amp, "ranks": ranks, "image_size": bench[0],
-                                   "batch_per_rank": bench[1]}
-            with tempfile.TemporaryDirectory(prefix="shoal-gpubench-") as tmp:
-                try:
-                    argv = _app_argv(amp, bench, f"{tmp}/job", dry)
-                    cmd = _shoalrun(ranks, argv) if ranks > 1 else [sys.executable, *argv]
-                    subprocess.run(cmd, env=env, capture_output=True, text=True, check=True,
-                                   timeout=timeout)
-                    row["images_per_s"] = round(_images_per_second(f"{tmp}/job"), 1)
-                    if ranks == 1:  # one rank alone is its own ceiling
-                        rows.append(row)
-                        continue
+    amp = True
+    for ranks in (1, RANKS):
+        row: dict[str, Any] = {"amp": amp, "ranks": ranks, "image_size": bench[0],
+                               "batch_per_rank": bench[1]}
+        with tempfile.TemporaryDirectory(prefix="shoal-gpubench-") as tmp:
+            try:
+                argv = _bench_argv(amp, bench, f"{tmp}/job.json")
+                cmd = _shoalrun(ranks, argv) if ranks > 1 else [sys.executable, *argv]
+                subprocess.run(cmd, env=env, capture_output=True, text=True, check=True,
+                               timeout=timeout)
+                row["images_per_s"] = round(_images_per_second(f"{tmp}/job.json"), 1)
+                if ranks > 1:
                     alone = [subprocess.Popen(
-                        [sys.executable, *_app_argv(amp, bench, f"{tmp}/alone{i}", dry)],
+                        [sys.executable, *_bench_argv(amp, bench, f"{tmp}/alone{i}.json",
+                                                      alone=True)],
                         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
                         for i in range(ranks)]
                     for proc in alone:
@@ -119,14 +113,15 @@ def run_benchmark(dry: bool, timeout: float) -> dict[str, Any]:
                         if proc.returncode:
                             raise RuntimeError(f"an independent run failed: {err[-1500:]}")
                     row["independent_images_per_s"] = round(sum(
-                        _images_per_second(f"{tmp}/alone{i}") for i in range(ranks)), 1)
+                        _images_per_second(f"{tmp}/alone{i}.json") for i in range(ranks)), 1)
                     row["share_of_independent"] = round(
                         row["images_per_s"] / row["independent_images_per_s"], 3)
-                except (subprocess.SubprocessError, RuntimeError, OSError, KeyError) as exc:
-                    ok = False
-                    detail = getattr(exc, "stderr", None) or ""
-                    errors.append(f"amp={amp} ranks={ranks}: {exc} {str(detail)[-1500:]}")
-            rows.append(row)
+            except (subprocess.SubprocessError, RuntimeError, OSError, KeyError,
+                    ValueError) as exc:
+                ok = False
+                detail = getattr(exc, "stderr", None) or ""
+                errors.append(f"amp={amp} ranks={ranks}: {exc} {str(detail)[-1500:]}")
+        rows.append(row)
     return {"ok": ok, "seconds": round(time.perf_counter() - start, 1), "rows": rows,
             "nvidia_a100_b0_amp_images_per_s": NVIDIA_A100_B0_AMP,
             **({"errors": errors} if errors else {})}
@@ -152,6 +147,19 @@ def section(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _write(out: Path, report: dict[str, Any], results: dict[str, Any], started: float,
+           complete: bool) -> None:
+    """The report as it stands (atomically): ``complete`` false until every step ran."""
+    report["checks"] = results
+    report["complete"] = complete
+    report["ok"] = complete and "error" not in report and all(
+        r["ok"] for r in results.values())
+    report["seconds"] = round(time.perf_counter() - started, 1)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(report, indent=1))
+    tmp.replace(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run every check and the benchmark; write ``--out``; 0 when everything passed."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -173,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
         report["error"] = "no CUDA GPU visible (use --dry-run on a CPU machine)"
     steps = args.only or [*CHECKS, "benchmark"]
     results: dict[str, Any] = {}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _write(out, report, results, started, complete=False)
     deadline = started + BUDGET_S
     for name in steps:
         left = deadline - time.perf_counter()
@@ -180,16 +191,12 @@ def main(argv: list[str] | None = None) -> int:
             results[name] = {"ok": False, "error": f"skipped: the {BUDGET_S:.0f}s budget "
                                                    f"was spent"}
             continue
-        results[name] = run_benchmark(args.dry_run, min(100.0, left / 3)) \
-            if name == "benchmark" else run_check(name, args.dry_run, min(90.0, left))
+        results[name] = run_benchmark(args.dry_run, min(90.0, left / 2)) \
+            if name == "benchmark" else run_check(name, args.dry_run, min(60.0, left))
         print(f"gpu-check: {name}: {'ok' if results[name]['ok'] else 'FAILED'} "
               f"({results[name].get('seconds', '')}s)", flush=True)
-    report["checks"] = results
-    report["ok"] = "error" not in report and all(r["ok"] for r in results.values())
-    report["seconds"] = round(time.perf_counter() - started, 1)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
+        _write(out, report, results, started, complete=False)  # a cut run keeps its steps
+    _write(out, report, results, started, complete=True)
     for row in results.get("benchmark", {}).get("rows", []):
         print(f"gpu-check: B0 {row['image_size']} px amp={row['amp']!s:5} ranks={row['ranks']}"
               f": {row.get('images_per_s')} images/s (independent "

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -34,7 +35,8 @@ from shoal.core.store import PrefixStore, Store
 
 from ..tensors import stage
 
-__all__ = ["C10dView", "DeviceGroup", "GroupReduction", "device_group_for"]
+__all__ = ["C10dView", "DeviceGroup", "GroupReduction", "device_group_for",
+           "make_device_group"]
 
 log = logging.getLogger("shoal.torch.device")
 
@@ -224,17 +226,29 @@ def _forget(key: int) -> None:
 
 def _build(comm: Communicator, device: torch.device, backend: str) -> DeviceGroup:
     world = comm.world
+    return make_device_group(comm, device, backend, world.local_rank, world.local_size,
+                             world.cross_peers, f"device-group/{world.cross_rank}")
+
+
+def make_device_group(comm: Communicator, device: torch.device, backend: str,
+                      local_rank: int, local_size: int, cross_ranks: Sequence[int],
+                      key: str) -> DeviceGroup:
+    """A device group of ``local_size`` ranks over torch's ``backend`` (this rank is
+    ``local_rank`` in it), meeting under ``key`` in ``comm``'s store, and the communicator
+    over ``cross_ranks`` of ``comm`` that reduces its shards on the CPUs. Every member calls
+    it alike. (:func:`device_group_for` makes the host's one; the GPU check makes a one-rank
+    NCCL group with it, so that NCCL's lazy connect runs even on a machine with one GPU.)"""
     timeout = comm.cfg.start_timeout_s
-    store = C10dView(PrefixStore(comm.store, f"device-group/{world.cross_rank}"), timeout)
+    store = C10dView(PrefixStore(comm.store, key), timeout)
     if backend == "nccl":
         torch.cuda.set_device(device)
-        local = dist.ProcessGroupNCCL(store, world.local_rank, world.local_size,
+        local = dist.ProcessGroupNCCL(store, local_rank, local_size,
                                       dist.ProcessGroupNCCL.Options())
     elif backend == "gloo":
-        local = dist.ProcessGroupGloo(store, world.local_rank, world.local_size,
+        local = dist.ProcessGroupGloo(store, local_rank, local_size,
                                       timedelta(seconds=timeout))
     else:
         raise ValueError(f"SHOAL_DEVICE_GROUP_BACKEND={backend!r}: use nccl or gloo")
-    cross = comm.split(world.cross_peers)
+    cross = comm.split(cross_ranks)
     assert cross is not None
-    return DeviceGroup(local, cross, world.local_size, comm.size, store)
+    return DeviceGroup(local, cross, local_size, comm.size, store)
