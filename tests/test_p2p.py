@@ -204,3 +204,41 @@ def _mismatched_size(rank: int) -> tuple:
 
 def test_a_message_of_the_wrong_size_is_refused_and_the_link_stays() -> None:
     assert run_ranks(_mismatched_size, 2, timeout=60)[1] == ("ok", [7.0, 7.0, 7.0])
+
+
+def test_a_header_past_the_limit_takes_no_memory_at_close() -> None:
+    """A peer announcing more than the held-bytes limit is not read while nothing is posted
+    for it; closing the endpoint then stops the reader, which must not go on to allocate the
+    announced size (it did: the fuzz test's fixture grew to 20 GiB and was OOM-killed)."""
+    import socket
+    import struct
+    import time
+
+    from shoal.core.auth import client_handshake
+    from shoal.core.p2p import PeerMessages
+    secret = b"s" * 32
+    ends = [PeerMessages(r, 2, secret, bind_addr="127.0.0.1", timeout=5, connect_timeout=5,
+                         held_bytes=1 << 20) for r in range(2)]
+    for end in ends:
+        end.start([e.address for e in ends])
+    allocated: list[int] = []
+    real = bytearray
+
+    class Watched(bytearray):  # stands in for the builtin the reader calls
+        def __new__(cls, *a: object) -> bytearray:
+            if a and isinstance(a[0], int):
+                allocated.append(a[0])
+            return real(*a)
+    import shoal.core.p2p as p2p_mod
+    p2p_mod.bytearray = Watched  # type: ignore[attr-defined]
+    try:
+        with socket.create_connection(ends[0].address, timeout=2) as s:
+            client_handshake(s, secret, b"p2p")
+            s.sendall(struct.pack("!I", 1) + struct.pack("!qQ", 5, 1 << 30))
+            time.sleep(0.3)  # the reader waits: 1 GiB is past the 1 MiB limit
+            for end in ends:
+                end.close()
+            time.sleep(1.0)  # the reader wakes (it polls) and must stop
+        assert not any(n >= 1 << 30 for n in allocated), allocated
+    finally:
+        del p2p_mod.bytearray

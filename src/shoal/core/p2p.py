@@ -197,6 +197,8 @@ class PeerMessages:
                     while (recv := self._match_posted(src, tag)) is None and \
                             self._held_now + nbytes > self._held_limit and not self._closed:
                         self._lock.wait(_WATCH_S)
+                    if self._closed:  # never take a message (nor its memory) after close
+                        return
                     if recv is None:
                         self._held_now += nbytes
                 if recv is not None and recv.buffer.nbytes == nbytes:
@@ -272,8 +274,10 @@ class PeerMessages:
         return False
 
     # -- sending ---------------------------------------------------------------------------
-    def send(self, data: np.ndarray, dst: int, tag: int = 0) -> P2PHandle:
-        """Send the bytes of ``data`` (contiguous; keep it unchanged until done) to ``dst``."""
+    def send(self, data: np.ndarray, dst: int, tag: int = 0,
+             ready: Callable[[], None] | None = None) -> P2PHandle:
+        """Send the bytes of ``data`` (contiguous; keep it unchanged until done) to ``dst``;
+        ``ready`` runs on the sending thread before the bytes are read."""
         self._check(dst, "send to")
         view = _bytes(data)
         handle = P2PHandle(self._watch(dst, "send to"))
@@ -283,11 +287,14 @@ class PeerMessages:
             if sender is None:
                 sender = self._senders[dst] = ThreadPoolExecutor(
                     1, thread_name_prefix=f"shoal-p2p-send-{self.rank}>{dst}")
-        sender.submit(self._send_now, handle, view, dst, int(tag))
+        sender.submit(self._send_now, handle, view, dst, int(tag), ready)
         return handle
 
-    def _send_now(self, handle: P2PHandle, view: memoryview, dst: int, tag: int) -> None:
+    def _send_now(self, handle: P2PHandle, view: memoryview, dst: int, tag: int,
+                  ready: Callable[[], None] | None = None) -> None:
         try:
+            if ready is not None:
+                ready()
             sock = self._out.get(dst) or self._dial(dst)
             head = _HEAD.pack(tag, view.nbytes)
             if view.nbytes <= _SMALL:  # one segment on the wire
