@@ -345,3 +345,117 @@ def test_device_group_launches_in_bucket_order_whatever_the_arrival_order() -> N
                     device_group_backend="gloo")
     assert got[0]["launched"] == got[1]["launched"] and len(got[0]["launched"]) == 12
     assert all(g["worst"][0] < 1e-5 for g in got), got
+
+
+def _reduce_now_threads(rank: int) -> dict[str, list[str]]:
+    import shoal
+    from shoal.core.ops import ReduceOp
+    tensors.set_stand_in(True)
+    comm = shoal.communicator()
+    for _ in range(2):  # the names are known after the first pass (the one-round path)
+        seen: list[str] = []
+        pending = np.ones(1000)
+
+        def ready(seen: list[str] = seen) -> None:
+            seen.append(threading.current_thread().name)
+        handle = comm.allreduce_async(pending, ReduceOp.SUM, "pending", out=pending,
+                                      ready=ready)
+        staged = tensors.stage(torch.full((3,), float(rank)), copy=True)
+        got = tensors.reduce_now(comm, staged, ReduceOp.SUM, "now")
+        handle.wait()
+        assert got.tolist() == [1.0] * 3 and pending.tolist() == [2.0] * 1000
+    return {"pending_ready_on": seen, "own_copy_waited_on": staged.download.waited_on,
+            "me": [threading.current_thread().name]}
+
+
+def test_reduce_now_leaves_device_waits_and_rounds_to_the_engine_thread() -> None:
+    for got in run_ranks(_reduce_now_threads, 2, timeout=60):
+        assert got["me"][0] not in got["pending_ready_on"] + got["own_copy_waited_on"], got
+        assert got["own_copy_waited_on"] == ["shoal-engine"], got
+
+
+def test_premul_sum_factor_multiplies_where_the_tensor_is() -> None:
+    from shoal.torch.backend import _premultiplied
+    t = torch.tensor([1.0, 2.0])
+    same, pre = _premultiplied(t, 0.5, in_place=True)  # a number: the core's prescale
+    assert same is t and pre == 0.5 and t.tolist() == [1.0, 2.0]
+    factor = torch.tensor(3.0)  # a tensor (on a GPU: never read by the host)
+    copied, pre = _premultiplied(t, factor, in_place=False)
+    assert pre == 1.0 and copied.tolist() == [3.0, 6.0] and t.tolist() == [1.0, 2.0]
+    scaled, _ = _premultiplied(t, factor, in_place=True)
+    assert scaled is t and t.tolist() == [3.0, 6.0]
+
+
+def _send_ready(rank: int) -> list[str]:
+    import shoal
+    comm = shoal.communicator()
+    ran: list[str] = []
+    if rank == 0:
+        data = np.zeros(5)
+
+        def ready() -> None:  # a device copy's wait: the sending thread's, not the caller's
+            ran.append(threading.current_thread().name)
+            data[:] = 7.0
+        comm.send(data, 1, tag=3, ready=ready).wait(10)
+        return ran
+    got = np.empty(5)
+    comm.recv(got, 0, tag=3).wait(10)
+    return [str(v) for v in got]
+
+
+def test_send_waits_for_its_copy_on_the_sending_thread() -> None:
+    sender, receiver = run_ranks(_send_ready, 2, timeout=60)
+    assert len(sender) == 1 and sender[0].startswith("shoal-p2p-send"), sender
+    assert receiver == ["7.0"] * 5
+
+
+def _backward_orders(rank: int) -> dict[str, int]:
+    import shoal.torch as hvd
+    from shoal.torch.device.staging import DeviceStaged
+    tensors.set_stand_in(True)
+    calls: list[str] = []
+    original = DeviceStaged.order_after_copy
+
+    def record(self: DeviceStaged) -> None:
+        calls.append(threading.current_thread().name)
+        original(self)
+    DeviceStaged.order_after_copy = record  # type: ignore[method-assign]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Linear(64, 4))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), bucket_bytes=1)
+    counts = {}
+    for step in range(2):
+        calls.clear()
+        model(torch.randn(3, 8)).sum().backward()
+        counts[f"during_backward_{step}"] = len(calls)  # before step(): the end of backward
+        opt.step()
+        opt.zero_grad()
+    return counts
+
+
+def test_the_end_of_backward_orders_the_stream_after_the_bucket_copies() -> None:
+    for got in run_ranks(_backward_orders, 2, timeout=60):
+        # 4 parameters in 4 buckets, all submitted by the end of backward: each ordered
+        assert got == {"during_backward_0": 4, "during_backward_1": 4}, got
+
+
+def test_shoal_threads_bind_to_the_ranks_device_once(monkeypatch) -> None:
+    """A thread of shoal's (engine, completion pool) makes the rank's GPU current before it
+    enters a stream of it, so leaving the stream switches no device (a switch back to device
+    0 created a CUDA context there in every rank); once per thread."""
+    from shoal.torch.device import streams
+    calls: list[tuple[str, str]] = []
+    monkeypatch.setattr(torch.cuda, "set_device",
+                        lambda d: calls.append((threading.current_thread().name, str(d))))
+
+    def bind() -> None:
+        for _ in range(3):
+            streams.use_device(torch.device("cuda", 3))
+    workers = [threading.Thread(target=bind, name=f"shoal-test-{i}") for i in range(2)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    streams.use_device(torch.device("cpu"))  # host tensors: nothing to bind
+    assert sorted(calls) == [("shoal-test-0", "cuda:3"), ("shoal-test-1", "cuda:3")]

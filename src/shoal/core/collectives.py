@@ -38,9 +38,10 @@ class Handle:
         """True once the result (or error) is ready."""
         return self._future.done()
 
-    def wait(self, timeout: float | None = None) -> Any:
-        """Block until done; return the result or raise the collective's error."""
-        value = self._engine.wait(self._future, timeout)
+    def wait(self, timeout: float | None = None, *, drive: bool | None = None) -> Any:
+        """Block until done; return the result or raise the collective's error.
+        ``drive=False``: never run engine rounds on this thread (see ``Engine.wait``)."""
+        value = self._engine.wait(self._future, timeout, drive)
         if self._then is None:
             return value
         if not self._got:  # the finishing step (post-scaling, slicing) runs once

@@ -264,10 +264,13 @@ class Communicator(Collectives):
                              f"send to or receive from")
         return self.p2p
 
-    def send(self, array: np.ndarray, dst: int, tag: int = 0) -> P2PHandle:
+    def send(self, array: np.ndarray, dst: int, tag: int = 0,
+             ready: Callable[[], None] | None = None) -> P2PHandle:
         """Start sending the bytes of ``array`` to rank ``dst`` (keep ``array`` unchanged
-        until the handle is done). Messages to one rank with one tag arrive in order."""
-        return self._peer_messages().send(array, dst, tag)
+        until the handle is done). Messages to one rank with one tag arrive in order.
+        ``ready`` is called on the sending thread before ``array`` is read (a device copy's
+        wait, which the caller then never does)."""
+        return self._peer_messages().send(array, dst, tag, ready)
 
     def recv(self, out: np.ndarray, src: int | None = None, tag: int = 0) -> P2PHandle:
         """Start receiving into ``out`` from rank ``src`` (any rank when None); the handle

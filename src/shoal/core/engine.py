@@ -128,10 +128,13 @@ class Engine(SmallPath):
         if self._stopping:
             raise ShoalError(f"rank {self.rank}: shoal is shutting down")
 
-    def wait(self, future: Future, timeout: float | None = None) -> Any:
+    def wait(self, future: Future, timeout: float | None = None,
+             drive: bool | None = None) -> Any:
         """Drive rounds on this thread while it is free, until ``future`` is done. With a
         ``timeout`` the engine's thread drives them instead: a round waits for every rank
-        to join it, so one driven here could outlast the deadline."""
+        to join it, so one driven here could outlast the deadline. ``drive=False`` leaves
+        the rounds to the engine's thread in any case: a round runs every pending request's
+        device waits and reductions, which a caller such as autograd's thread must not."""
         if future.done():
             return future.result()
         token = threading.get_ident()
@@ -139,18 +142,18 @@ class Engine(SmallPath):
         if not outer:
             self._blocked[token] = time.perf_counter()
         try:
-            return self._wait(future, timeout)
+            return self._wait(future, timeout, timeout is None if drive is None else drive)
         finally:
             if not outer:
                 self._blocked.pop(token, None)
 
-    def _wait(self, future: Future, timeout: float | None) -> Any:
+    def _wait(self, future: Future, timeout: float | None, drive: bool) -> Any:
         deadline = None if timeout is None else time.monotonic() + timeout
-        if deadline is not None:
+        if not drive:
             with self._cv:
                 self._cv.notify()
         while not future.done():
-            if deadline is None and self._run.acquire(blocking=False):
+            if drive and self._run.acquire(blocking=False):
                 try:
                     if not future.done() and self._broken is None:
                         self._round()

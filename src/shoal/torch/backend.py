@@ -187,13 +187,18 @@ class ShoalProcessGroup(dist.ProcessGroup):
 
     # -- reductions ------------------------------------------------------------------------
     @staticmethod
-    def _op(op: dist.ReduceOp) -> tuple[Any, float]:
-        """c10d's op as (its kind, a prescale factor): PREMUL_SUM is a SUM of factor * x."""
+    def _op(op: dist.ReduceOp) -> tuple[Any, float | torch.Tensor]:
+        """c10d's op as (its kind, a prescale factor): PREMUL_SUM is a SUM of factor * x. A
+        factor on a device stays a tensor (reading it would make the host wait for the
+        device): the caller multiplies on the device, see :func:`_premultiplied`."""
         kind = op.op if hasattr(op, "op") else op
-        prescale = 1.0
+        prescale: float | torch.Tensor = 1.0
         if kind == dist.ReduceOp.RedOpType.PREMUL_SUM:
             factor = op.factor
-            prescale = float(factor.item() if isinstance(factor, torch.Tensor) else factor)
+            if isinstance(factor, torch.Tensor) and factor.device.type != "cpu":
+                prescale = factor
+            else:
+                prescale = float(factor.item() if isinstance(factor, torch.Tensor) else factor)
             kind = dist.ReduceOp.RedOpType.SUM
         if kind not in _OPS:
             raise NotImplementedError(f"shoal backend: reduce op {kind} is not supported (use "
@@ -203,14 +208,16 @@ class ShoalProcessGroup(dist.ProcessGroup):
 
     def _reduce_async(self, tensors: Sequence[torch.Tensor], op: dist.ReduceOp,
                       copy: Sequence[bool] = ()) -> tuple[int, list[Staged], list[Any]]:
-        kind, prescale = self._op(op)
+        kind, factor = self._op(op)
         slot, names = self._names(len(tensors))
         staged, handles = [], []
         for i, (tensor, name) in enumerate(zip(tensors, names, strict=True)):
             sop = _OPS[kind]
             if tensor.dtype == torch.bool:
                 sop = _BOOL_OPS.get(sop, sop)
-            st = stage(tensor, copy=bool(copy and copy[i]))
+            out_of_place = bool(copy and copy[i])
+            src, prescale = _premultiplied(tensor, factor, in_place=not out_of_place)
+            st = stage(src, copy=out_of_place and src is tensor)
             staged.append(st)
             # each torch.distributed call is its own collective (DDP's are buckets already):
             # started at once, not held back a cycle for fusion
@@ -289,7 +296,7 @@ class ShoalProcessGroup(dist.ProcessGroup):
         """Reduce ``input_tensors[i]`` (one tensor per rank) and keep this rank's part: a
         real reduce-scatter (each rank receives only its block) when the parts are equal;
         uneven parts, bool tensors and bitwise ops go through a full reduction."""
-        kind, prescale = self._op(opts.reduceOp)
+        kind, factor = self._op(opts.reduceOp)
         me, n = self.rank(), self.size()
         even = _OPS[kind] in _SCATTER_OPS and all(
             len(parts) == n and len({p.numel() for p in parts}) == 1 and
@@ -309,6 +316,7 @@ class ShoalProcessGroup(dist.ProcessGroup):
         slot, names = self._names(len(flats))
         handles, results = [], []
         for flat, out, name in zip(flats, output_tensors, names, strict=True):
+            flat, prescale = _premultiplied(flat, factor, in_place=False)
             st = stage(flat)
             got = stage(out, fetch=False)  # an output only: this rank's block lands in it
             results.append(got)
@@ -498,9 +506,8 @@ class ShoalProcessGroup(dist.ProcessGroup):
         the same tag)."""
         (tensor,) = tensors
         st, raw = _raw(tensor)
-        if st.ready is not None:  # point-to-point sends read at once: the copy must be done
-            st.ready()
-        handle = self._comm.send(raw, dst, tag)
+        # the sending thread waits for a device tensor's copy before it reads the bytes
+        handle = self._comm.send(raw, dst, tag, ready=st.ready)
         return self._p2p_work(handle, lambda: [st.tensor], tensor)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> ShoalWork:
@@ -526,6 +533,17 @@ class ShoalProcessGroup(dist.ProcessGroup):
         work = ShoalWork([handle], finish, [tensor.device], self._timeout)
         work.source_rank = lambda: handle.source  # type: ignore[attr-defined]
         return work
+
+
+def _premultiplied(tensor: torch.Tensor, factor: float | torch.Tensor, in_place: bool
+                   ) -> tuple[torch.Tensor, float]:
+    """PREMUL_SUM's factor applied: a number becomes the core's prescale; a tensor on a
+    device multiplies ``tensor`` there (in place where the collective overwrites it anyway,
+    else on a copy), so the host never reads it."""
+    if not isinstance(factor, torch.Tensor):
+        return tensor, factor
+    f = factor.to(device=tensor.device, dtype=tensor.dtype)
+    return (tensor.mul_(f) if in_place else tensor.mul(f)), 1.0
 
 
 def _packed(tensors: Sequence[torch.Tensor]

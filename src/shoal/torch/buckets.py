@@ -28,7 +28,7 @@ from .compression import user_compressor as _user_compressor
 from .compression import wire_codec
 from .device.group import GroupReduction, device_group_for
 from .ops import sparse_allreduce_async
-from .tensors import Staged, stage
+from .tensors import Staged, stage, staged_on_device
 
 __all__ = ["Buckets", "auto_bucket_bytes"]
 
@@ -85,6 +85,7 @@ class Buckets:
         self._comm = communicator_for(process_set)
         self._sparse_as_dense = sparse_as_dense
         self._sparse: dict[torch.nn.Parameter, Any] = {}  # sparse gradients in flight
+        self._sparse_later: list[torch.nn.Parameter] = []  # device ones, sent from finish()
         self._densified: set[torch.nn.Parameter] = set()  # sparse ones reduced as dense
         self._names = names
         self._bucket_bytes = max(1, int(bucket_bytes))
@@ -103,6 +104,12 @@ class Buckets:
         # does, whatever order this rank's gradients arrive in (the engine matches names)
         self._in_order = self._group is not None
         self._next = 0  # the first bucket not launched yet, when launching in order
+        # gradients staged through the device stage are read by copies on the copy stream
+        # while backward ends; whatever the caller queues after backward may write them
+        # (GradScaler's unscale_ before synchronize()), so at the end of backward the
+        # compute stream waits for those copies (a stream wait, as DDP finalises backward)
+        self._staged_on_device = any(staged_on_device(p) for p in self._params)
+        self._order_queued = False
         self._build(list(reversed(range(len(self._params)))))
 
     # -- layout ----------------------------------------------------------------------------
@@ -163,10 +170,18 @@ class Buckets:
         b, j = self._where[p]
         grad = p.grad
         view = b.views[j]
+        if self._staged_on_device and not self._order_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
+            self._order_queued = True
         if grad.is_sparse and not self._sparse_as_dense:
-            # Horovod's way: allgather indices and values; the bucket carries zeros for it
-            self._sparse[p] = sparse_allreduce_async(grad, f"grad.sparse.{self._names[p]}",
-                                                     self._op, self._process_set)
+            # Horovod's way: allgather indices and values; the bucket carries zeros for it.
+            # Coalescing a device tensor reads its size on the host: that waits for the
+            # device, so it happens in step() (finish), not in backward
+            if grad.device.type == "cpu":
+                self._sparse[p] = sparse_allreduce_async(
+                    grad, f"grad.sparse.{self._names[p]}", self._op, self._process_set)
+            else:
+                self._sparse_later.append(p)
             view.zero_()
         elif grad.is_sparse:  # sparse_as_dense: reduced dense, handed back sparse
             view.copy_(grad.to_dense())
@@ -186,6 +201,15 @@ class Buckets:
                 break
             self._submit(head)
             self._next += 1
+
+    def _after_backward(self) -> None:
+        """At the end of backward (autograd's callback): the current stream waits for the
+        copies of the buckets submitted so far (see ``__init__``)."""
+        self._order_queued = False
+        for b in self._buckets:
+            staged = b.staged._staged if isinstance(b.staged, GroupReduction) else b.staged
+            if b.handle is not None and hasattr(staged, "order_after_copy"):
+                staged.order_after_copy()
 
     def _submit(self, b: _Bucket) -> None:
         op, prescale = self._op, 1.0
@@ -225,6 +249,10 @@ class Buckets:
                         b.views[j].copy_(p.grad)
                 self._submit(b)
         self._next = 0
+        for p in self._sparse_later:
+            self._sparse[p] = sparse_allreduce_async(p.grad, f"grad.sparse.{self._names[p]}",
+                                                     self._op, self._process_set)
+        self._sparse_later.clear()
         post = self._predivide / self._comm.size if self._predivide != 1.0 else 1.0
         error: BaseException | None = None
         for b in self._buckets:

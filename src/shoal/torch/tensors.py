@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 __all__ = ["Staged", "copy_back", "fill_bytes", "numpy_of", "reduce_now", "result_tensor",
-           "set_stand_in", "stage", "stand_in"]
+           "set_stand_in", "stage", "staged_on_device", "stand_in"]
 
 
 class Staged:
@@ -73,7 +73,9 @@ def set_stand_in(on: bool | None) -> None:
     _STAND_IN = on
 
 
-def _staged_on_device(t: torch.Tensor) -> bool:
+def staged_on_device(t: torch.Tensor) -> bool:
+    """Whether ``t`` goes through the device stage (a device tensor, or any tensor with the
+    CPU stand-in on)."""
     return t.device.type != "cpu" or (_STAND_IN if _STAND_IN is not None else stand_in())
 
 
@@ -85,7 +87,7 @@ def stage(tensor: torch.Tensor, *, copy: bool = False, reuse: Staged | None = No
     buffer may be used again (a gradient bucket's). ``fetch=False``: the host buffer is an
     output only, its contents need not be copied from the tensor."""
     t = tensor.detach()
-    if _staged_on_device(t):
+    if staged_on_device(t):
         from .device import staging
         return staging.stage(tensor, copy=copy, reuse=reuse, fetch=fetch)
     if copy or not t.is_contiguous():
@@ -98,17 +100,22 @@ def stage(tensor: torch.Tensor, *, copy: bool = False, reuse: Staged | None = No
 
 def reduce_now(comm: Any, staged: Staged, op: Any, name: str) -> np.ndarray:
     """Reduce ``staged``'s host buffer in place across ``comm`` and wait, for a caller that
-    needs the values now (SyncBatchNorm's statistics): this thread waits for a device
-    tensor's copy to the host (the one wait such a caller cannot avoid), then a small
-    message takes the one-round path."""
-    if staged.ready is not None:
-        staged.ready()
-    return comm.allreduce(staged.array, op, name, out=staged.array, bf16=staged.bf16)
+    needs the values now (SyncBatchNorm's statistics, the sharded optimizer's overflow
+    count). A host tensor takes the one-round path of small messages. A device tensor's
+    copy to the host is waited for by shoal's engine thread, which also runs the round: this
+    thread (autograd's, in SyncBatchNorm) waits for the reduction only, never for the device,
+    and runs no other request's device waits or reductions; ``finish()`` brings the result
+    back with the consumer stream waiting on it."""
+    if staged.ready is None:
+        return comm.allreduce(staged.array, op, name, out=staged.array, bf16=staged.bf16)
+    handle = comm.allreduce_async(staged.array, op, name, out=staged.array, bf16=staged.bf16,
+                                  ready=staged.ready)
+    return handle.wait(drive=False)
 
 
 def result_tensor(array: np.ndarray, like: torch.Tensor, bf16: bool) -> torch.Tensor:
     """A result array the core allocated, as a tensor on ``like``'s device."""
-    if _staged_on_device(like):
+    if staged_on_device(like):
         from .device.staging import upload
         return upload(array, like, bf16)
     out = torch.from_numpy(np.ascontiguousarray(array))
@@ -118,7 +125,7 @@ def result_tensor(array: np.ndarray, like: torch.Tensor, bf16: bool) -> torch.Te
 def copy_back(host: torch.Tensor, out: torch.Tensor) -> None:
     """Copy ``host`` (a staged host buffer, or a slice of one) into ``out``; on a device the
     copy runs on the copy stream and the consumer stream waits on it."""
-    if _staged_on_device(out):
+    if staged_on_device(out):
         from .device.streams import lane_for
         lane_for(out.device).upload(host, out)
     else:
@@ -135,7 +142,7 @@ def fill_bytes(outs: Sequence[torch.Tensor], raw: np.ndarray) -> None:
         if not n:
             continue
         data = raw[end - n:end]
-        if _staged_on_device(out):
+        if staged_on_device(out):
             from .device.staging import upload_into
             upload_into(out, data)
         else:

@@ -19,6 +19,7 @@ import shoal
 from shoal.core.errors import ShoalTimeoutError
 
 from .device.staging import consumer_context
+from .device.streams import lane_for
 from .tensors import Staged, fill_bytes, stage
 
 __all__ = ["DistTimeoutError", "ShoalWork"]
@@ -78,6 +79,11 @@ class ShoalWork(dist.Work):
         super().__init__()
         cuda = sorted({str(d) for d in devices if d.type == "cuda"})
         self._devices = [torch.device(d) for d in cuda]
+        for device in self._devices:
+            # results land through the copy stream; it must not overtake what the caller
+            # queued before the collective (a zero-fill before recv into the same buffer),
+            # also where no input was staged and so nothing ordered it yet
+            lane_for(device).order_after_producer()
         self._future: torch.futures.Future = torch.futures.Future(devices=cuda or None)
         self._handles = list(handles)
         self._finish = finish

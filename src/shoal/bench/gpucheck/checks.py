@@ -123,8 +123,35 @@ def collectives(device: torch.device) -> dict[str, Any]:
         elif rank == 1:
             dist.recv(buf, src=0)
             _close(buf, every[0], torch.float32, "dist.send/recv", device)
+        # what the caller queued before a receive (a fill behind a long kernel) lands before
+        # the bytes received: the copy stream is ordered after the caller's stream
+        big = torch.full((1 << 22,), 7.0, device=device)
+        if rank == 0:
+            dist.send(big, dst=1)
+        elif rank == 1:
+            into = torch.empty(1 << 22, device=device)
+            if device.type == "cuda":
+                torch.cuda._sleep(100_000_000)
+            into.fill_(0.0)
+            dist.recv(into, src=0)
+            assert float(into.min()) == 7.0, "a fill queued before recv landed after the bytes"
     dist.barrier()
-    return {"collectives_checked": count + 10}
+    # sparse gradients on the device: coalesced in step(), not in backward
+    torch.manual_seed(11)
+    emb = torch.nn.Embedding(50, 4, sparse=True).to(device)
+    start = emb.weight.detach().clone()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=1.0),
+                                   named_parameters=[("emb.weight", emb.weight)])
+    ids = [torch.tensor([r, r + 1, 7]) for r in range(n)]
+    emb(ids[rank].to(device)).sum().backward()
+    opt.step()
+    want = start.cpu().double().numpy().copy()
+    for r in range(n):
+        for i in ids[r].tolist():
+            want[i] -= 1.0 / n
+    _close(emb.weight, want, torch.float32, "sparse gradient through DistributedOptimizer",
+           device)
+    return {"collectives_checked": count + 12}
 
 
 # -- training ------------------------------------------------------------------------------------

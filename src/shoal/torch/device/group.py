@@ -34,6 +34,7 @@ from shoal.core.ops import ReduceOp
 from shoal.core.store import PrefixStore, Store
 
 from ..tensors import stage
+from .streams import lane_for
 
 __all__ = ["C10dView", "DeviceGroup", "GroupReduction", "device_group_for",
            "make_device_group"]
@@ -139,7 +140,11 @@ class DeviceGroup:
         shard = torch.empty(padded.numel() // self.local_size, dtype=flat.dtype,
                             device=flat.device)
         work = self.local._reduce_scatter_base(shard, padded, dist.ReduceScatterOptions())
-        work.wait()  # NCCL: the current stream waits on it; the host does not
+        # NCCL: the stream current in wait() waits on it (the host does not). That is the
+        # copy stream, which takes the shard to the host next; the compute stream, which
+        # still runs backward, does not queue behind this or the slowest local rank
+        with lane_for(flat.device).consumer_context():
+            work.wait()
         staged = stage(shard, reuse=getattr(reuse, "_staged", None))
         handle = self.cross.allreduce_async(staged.array, ReduceOp.SUM, name, out=staged.array,
                                             compression=compression, bf16=staged.bf16,
@@ -148,8 +153,14 @@ class DeviceGroup:
         return GroupReduction(self, flat, padded, shard, staged, handle, scale)
 
     def close(self) -> None:
-        """Release the cross-host communicator (torch's group goes with its last use)."""
-        self.cross.close()
+        """Shut torch's group down (NCCL's communicators and their threads) and release the
+        cross-host communicator."""
+        shutdown = getattr(self.local, "shutdown", None) or getattr(self.local, "abort", None)
+        try:
+            if shutdown is not None:
+                shutdown()
+        finally:
+            self.cross.close()
 
 
 _groups: dict[int, DeviceGroup | None] = {}

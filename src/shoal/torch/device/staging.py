@@ -43,6 +43,12 @@ class DeviceStaged(Staged):
         self.ready = download.wait if download is not None else None
         self._writes_back = writes_back
 
+    def order_after_copy(self) -> None:
+        """Make the current stream wait until the copy to the host has read the tensor, so
+        that work queued next may write it (a stream wait: the host does not wait)."""
+        if self.download is not None:
+            self.download.order_stream()
+
     def finish(self) -> torch.Tensor:
         """Queue the host result's copy into the caller's tensor; the consumer stream waits
         on it (call after the collective completed). Returns the tensor."""

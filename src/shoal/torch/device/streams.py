@@ -32,7 +32,21 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["CudaLane", "Download", "HostLane", "Lane", "lane_for", "pinned_empty"]
+__all__ = ["CudaLane", "Download", "HostLane", "Lane", "lane_for", "pinned_empty", "use_device"]
+
+_thread = threading.local()
+
+
+def use_device(device: torch.device) -> None:
+    """Make ``device`` this thread's current CUDA device, once per thread. shoal's own threads
+    (the engine, the completion pool) start with device 0 current; entering a stream of
+    another device and leaving it would switch back to 0 and create a CUDA context there
+    (about 0.5 GiB on GPU 0 for every rank), so they bind to the rank's device first."""
+    if device.type != "cuda" or device.index is None:
+        return
+    if getattr(_thread, "device", None) != device.index:
+        torch.cuda.set_device(device)
+        _thread.device = device.index
 
 
 def pinned_empty(shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -47,13 +61,21 @@ class Download:
     ``waits`` counts how often it was waited on, and ``waited_on`` names the threads that
     waited (tests assert that the submitting thread never did)."""
 
-    __slots__ = ("_copy", "_event", "waited_on")
+    __slots__ = ("_copy", "_device", "_event", "waited_on")
 
     def __init__(self, event: torch.cuda.Event | None,
-                 copy: Callable[[], None] | None = None) -> None:
+                 copy: Callable[[], None] | None = None,
+                 device: torch.device | None = None) -> None:
         self._event = event
         self._copy = copy
+        self._device = device
         self.waited_on: list[str] = []
+
+    def order_stream(self) -> None:
+        """Make this thread's current stream (of the copy's device) wait for the copy; on
+        the CPU stand-in nothing is in flight to wait for."""
+        if self._event is not None and self._device is not None:
+            torch.cuda.current_stream(self._device).wait_event(self._event)
 
     def wait(self) -> None:
         """Block this thread until the copy is complete (the engine's thread calls this)."""
@@ -62,6 +84,8 @@ class Download:
             copy, self._copy = self._copy, None
             copy()
         if self._event is not None:
+            if self._device is not None:
+                use_device(self._device)
             self._event.synchronize()
 
 
@@ -128,10 +152,12 @@ class CudaLane(Lane):
         self.order_after_producer()
         with torch.cuda.stream(self.copy_stream):
             dst.copy_(src.reshape(dst.shape), non_blocking=True)
-            copied = torch.cuda.Event()
+            # the engine thread synchronises on it: blocking, so the wait sleeps instead of
+            # spinning on the core the CPU reduction needs
+            copied = torch.cuda.Event(blocking=True)
             copied.record(self.copy_stream)
         src.record_stream(self.copy_stream)
-        return Download(copied)
+        return Download(copied, device=self.device)
 
     def upload(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         consumer = torch.cuda.current_stream(self.device)
@@ -145,6 +171,7 @@ class CudaLane(Lane):
         consumer.wait_event(returned)
 
     def consumer_context(self) -> object:
+        use_device(self.device)  # entering the stream then switches no device
         return torch.cuda.stream(self.copy_stream)
 
 
