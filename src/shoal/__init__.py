@@ -12,49 +12,40 @@ launcher is ``shoalrun``.
 
 from __future__ import annotations
 
-from .core.api import (
-    Handle,
-    allgather,
-    allgather_async,
-    allgather_object,
-    allreduce,
-    allreduce_async,
-    alltoall,
-    alltoall_async,
-    barrier,
-    broadcast,
-    broadcast_async,
-    broadcast_object,
-    communicator,
-    cross_rank,
-    cross_size,
-    init,
-    is_initialized,
-    join,
-    local_rank,
-    local_size,
-    rank,
-    reducescatter,
-    reducescatter_async,
-    shutdown,
-    size,
-    timeline_range,
-    world,
-)
-from .core.errors import (
-    CollectiveMismatchError,
-    PeerLostError,
-    RendezvousError,
-    ShoalError,
-    ShoalTimeoutError,
-)
-from .core.ops import Average, Max, Min, Product, ReduceOp, Sum
-from .core.process_sets import (
-    ProcessSet,
-    add_process_set,
-    global_process_set,
-    remove_process_set,
-)
+import importlib
+from typing import Any
+
+# The names below are loaded on first use (PEP 562): ``import shoal`` is then cheap, so that
+# torch can run shoal's backend hook (:mod:`shoal._torch_hook`) at every ``import torch``
+# without bringing in the core.
+_LAZY = {
+    "core.api": ("Handle", "allgather", "allgather_async", "allgather_object", "allreduce",
+                 "allreduce_async", "alltoall", "alltoall_async", "barrier", "broadcast",
+                 "broadcast_async", "broadcast_object", "communicator", "cross_rank",
+                 "cross_size", "init", "is_initialized", "join", "local_rank", "local_size",
+                 "rank", "reducescatter", "reducescatter_async", "shutdown", "size",
+                 "timeline_range", "world"),
+    "core.errors": ("CollectiveMismatchError", "PeerLostError", "RendezvousError",
+                    "ShoalError", "ShoalTimeoutError"),
+    "core.ops": ("Average", "Max", "Min", "Product", "ReduceOp", "Sum"),
+    "core.process_sets": ("ProcessSet", "add_process_set", "global_process_set",
+                          "remove_process_set"),
+}
+_WHERE = {name: module for module, names in _LAZY.items() for name in names}
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'shoal' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"shoal.{module}"), name)
+    globals()[name] = value  # found once; later lookups do not come here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_WHERE})
+
 
 __version__ = "0.1.0"
 

@@ -616,10 +616,10 @@ def _create(opts: Any, backend_options: Any = None) -> ShoalProcessGroup:
 def register() -> None:
     """Make ``"shoal"`` a ``torch.distributed`` backend name (safe to call again)."""
     global _registered
-    if _registered or BACKEND.upper() in getattr(dist.Backend, "_plugins", {}):
-        _registered = True
+    if _registered:
         return
-    dist.Backend.register_backend(BACKEND, _create, extended_api=True,
-                                  devices=["cpu", "cuda"])
+    if BACKEND.upper() not in getattr(dist.Backend, "_plugins", {}):  # else: torch's hook
+        dist.Backend.register_backend(BACKEND, _create, extended_api=True,
+                                      devices=["cpu", "cuda"])
     admit_monitored_barrier(BACKEND)
     _registered = True
