@@ -72,7 +72,8 @@ def _torch_loop(config: dict) -> None:
     import torch
     import torch.distributed as dist
     torch.manual_seed(0)
-    model = ray.train.torch.prepare_model(torch.nn.Linear(4, 2))
+    model = ray.train.torch.prepare_model(torch.nn.Sequential(
+        torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2)))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(dist.get_rank())
     for _ in range(2):  # epochs
@@ -114,7 +115,7 @@ def _hvd_loop(config: dict) -> None:
     import shoal.torch as hvd
     hvd.init()
     torch.manual_seed(0)
-    model = torch.nn.Linear(4, 2)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                    named_parameters=model.named_parameters())
     start = 0
