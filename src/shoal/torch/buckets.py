@@ -207,9 +207,8 @@ class Buckets:
         copies of the buckets submitted so far (see ``__init__``)."""
         self._order_queued = False
         for b in self._buckets:
-            staged = b.staged._staged if isinstance(b.staged, GroupReduction) else b.staged
-            if b.handle is not None and hasattr(staged, "order_after_copy"):
-                staged.order_after_copy()
+            if b.handle is not None and b.staged is not None:
+                b.staged.order_after_copy()
 
     def _submit(self, b: _Bucket) -> None:
         op, prescale = self._op, 1.0
@@ -249,6 +248,7 @@ class Buckets:
                         b.views[j].copy_(p.grad)
                 self._submit(b)
         self._next = 0
+        self._order_queued = False  # a backward that raised never ran its callback
         for p in self._sparse_later:
             self._sparse[p] = sparse_allreduce_async(p.grad, f"grad.sparse.{self._names[p]}",
                                                      self._op, self._process_set)

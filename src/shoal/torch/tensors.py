@@ -40,6 +40,10 @@ class Staged:
         self.bf16 = bf16       # ``array`` holds bfloat16 words
         self.ready: Callable[[], None] | None = None
 
+    def order_after_copy(self) -> None:
+        """Order the current stream after the copy to the host (host memory: nothing to
+        order; see the device stage's)."""
+
     def finish(self) -> torch.Tensor:
         """Copy the host result back into the caller's tensor if it was staged; return it."""
         if self.host is not self.tensor:

@@ -89,6 +89,10 @@ class GroupReduction:
         """Wait for the shard's cross-host reduction (on the CPUs)."""
         return self._handle.wait(timeout)
 
+    def order_after_copy(self) -> None:
+        """Order the current stream after the shard's copy to the host."""
+        self._staged.order_after_copy()
+
     def finish(self) -> torch.Tensor:
         """Shard to the device (the consumer stream waits on it), scale, allgather over the
         device group into the bucket; returns the bucket."""
