@@ -76,7 +76,7 @@ def test_every_recipe_flag_is_taken(framework: str) -> None:
             continue
         assert isinstance(args, object)
     # only what a framework cannot do is refused, and only there
-    expected = {"tensorflow": {"lookahead", "grad_accum_steps", "cutmix_alpha"},
+    expected = {"tensorflow": {"lookahead", "grad_accum_steps"},
                 "torch": set()}[framework]
     assert set(refused) == expected, refused
 
@@ -380,3 +380,18 @@ def test_eval_num_examples_cuts_the_evaluation() -> None:
     batches = [(torch.zeros(4, 1), torch.arange(4)) for _ in range(3)]
     got = list(_first_examples(batches, 6))
     assert [int(b[1].shape[0]) for b in got] == [4, 2]
+
+
+def test_keras_cutmix_pastes_a_box_and_mixes_labels_by_its_area() -> None:
+    tf = pytest.importorskip("tensorflow")
+    from apps.efficientnet.keras.data import mix_batch
+    images = tf.stack([tf.zeros((8, 8, 3)), tf.ones((8, 8, 3))])
+    labels = tf.constant([[1.0, 0.0], [0.0, 1.0]])
+    for s in range(5):
+        seed = tf.constant([s, 7], tf.int64)
+        mixed, mixed_labels = mix_batch(images, labels, 0.0, 1.0, seed)
+        pasted = float(tf.reduce_mean(mixed[0]))  # image 0 is zeros: the box is ones
+        assert float(mixed_labels[0, 1]) == pytest.approx(pasted)
+        assert float(mixed_labels[1, 0]) == pytest.approx(1.0 - float(tf.reduce_mean(mixed[1])))
+        again, _ = mix_batch(images, labels, 0.0, 1.0, seed)  # stateless: the same batch
+        assert bool(tf.reduce_all(again == mixed))

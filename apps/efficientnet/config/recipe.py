@@ -155,9 +155,6 @@ def _refusals(args: argparse.Namespace) -> None:
     if args.lookahead and keras:
         raise UnsupportedFlagError("lookahead", "Lookahead is implemented for the PyTorch "
                                    "application only (--framework torch)")
-    if keras and args.cutmix_alpha > 0:
-        raise UnsupportedFlagError("cutmix_alpha", "CutMix is implemented for the PyTorch "
-                                   "application only (--framework torch)")
     if keras and args.eval_img_size and args.eval_img_size != _train_size(args):
         raise UnsupportedFlagError("eval_img_size", "Keras's EfficientNet is built for one "
                                    "input size; evaluating at another is implemented for the "

@@ -88,6 +88,43 @@ def _mixup(images: tf.Tensor, labels: tf.Tensor, alpha: float, seed: tf.Tensor
             lam * labels + (1 - lam) * tf.reverse(labels, [0]))
 
 
+def _cutmix(images: tf.Tensor, labels: tf.Tensor, alpha: float, seed: tf.Tensor
+            ) -> tuple[tf.Tensor, tf.Tensor]:
+    """Paste into each example a box of the batch reversed, of area about ``1 - lambda``
+    (``lambda ~ Beta(alpha, alpha)`` per batch, clipped at the border), the labels mixed by
+    the area pasted (the PyTorch application's ``cutmix``)."""
+    g = tf.random.stateless_gamma([2], seed=seed, alpha=alpha)
+    lam = g[0] / (g[0] + g[1])
+    h, w = tf.shape(images)[1], tf.shape(images)[2]
+    cut = tf.sqrt(1.0 - lam)
+    ch = tf.cast(tf.cast(h, tf.float32) * cut, tf.int32)
+    cw = tf.cast(tf.cast(w, tf.float32) * cut, tf.int32)
+    centre = tf.random.stateless_uniform([2], seed=seed + 1, minval=0, maxval=1 << 30,
+                                         dtype=tf.int32)
+    cy, cx = centre[0] % h, centre[1] % w
+    y0, y1 = tf.maximum(cy - ch // 2, 0), tf.minimum(cy + ch // 2, h)
+    x0, x1 = tf.maximum(cx - cw // 2, 0), tf.minimum(cx + cw // 2, w)
+    rows = tf.logical_and(tf.range(h) >= y0, tf.range(h) < y1)
+    cols = tf.logical_and(tf.range(w) >= x0, tf.range(w) < x1)
+    box = tf.logical_and(rows[:, None], cols[None, :])[None, :, :, None]
+    mixed = tf.where(box, tf.reverse(images, [0]), images)
+    kept = 1.0 - tf.cast((y1 - y0) * (x1 - x0), tf.float32) / tf.cast(h * w, tf.float32)
+    return mixed, kept * labels + (1.0 - kept) * tf.reverse(labels, [0])
+
+
+def mix_batch(images: tf.Tensor, labels: tf.Tensor, mixup_alpha: float, cutmix_alpha: float,
+              seed: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+    """Mixup or CutMix of a batch, as the flags ask: with both, each batch takes one of the
+    two at even odds."""
+    if cutmix_alpha <= 0:
+        return _mixup(images, labels, mixup_alpha, seed)
+    if mixup_alpha <= 0:
+        return _cutmix(images, labels, cutmix_alpha, seed)
+    coin = tf.random.stateless_uniform([], seed=seed + 2)
+    return tf.cond(coin < 0.5, lambda: _cutmix(images, labels, cutmix_alpha, seed),
+                   lambda: _mixup(images, labels, mixup_alpha, seed))
+
+
 def read_split(args: argparse.Namespace, split: str) -> list[str]:
     """The TFRecord files of ``split`` ("train" / "eval") under the flags' data directory."""
     where = args.train_data_dir if split == "train" else args.eval_data_dir
@@ -141,9 +178,10 @@ def train_dataset(args: argparse.Namespace, rank: int, size: int, image_size: in
             return image, tf.one_hot(label, num_classes)
         data = data.map(prepare, num_parallel_calls=_AUTOTUNE, deterministic=True)
         data = data.batch(batch, drop_remainder=True)
-        if args.mixup_alpha > 0:
+        if args.mixup_alpha > 0 or args.cutmix_alpha > 0:
             data = data.enumerate().map(
-                lambda j, xy: _mixup(*xy, args.mixup_alpha, tf.stack([base, -1 - j])),
+                lambda j, xy: mix_batch(*xy, args.mixup_alpha, args.cutmix_alpha,
+                                        tf.stack([base, -1 - j])),
                 num_parallel_calls=_AUTOTUNE, deterministic=True)
         return data
 
