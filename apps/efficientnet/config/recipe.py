@@ -22,6 +22,8 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
+from apps.efficientnet.config.variants import training_resolution
+
 __all__ = ["ACTIVATION_NAMES", "IGNORED", "RECIPE_FLAGS", "RESUME_FROM_MODEL_DIR", "V2_FLAGS",
            "UnsupportedFlagError", "add_ignored", "resume_value", "settle"]
 
@@ -130,13 +132,6 @@ def _given(args: argparse.Namespace, name: str) -> bool:
     return value is not None and value != idle and not (kind == _BOOL and not value)
 
 
-def _train_size(args: argparse.Namespace) -> int:
-    from apps.efficientnet.config.variants import SMALL_CNN, SMALL_CNN_RESOLUTION, get_variant
-    if args.image_size:
-        return int(args.image_size)
-    return SMALL_CNN_RESOLUTION if args.arch == SMALL_CNN else get_variant(args.arch).resolution
-
-
 def _refusals(args: argparse.Namespace) -> None:
     keras = args.framework == "tensorflow"
     if args.activation not in ACTIVATION_NAMES:
@@ -155,7 +150,8 @@ def _refusals(args: argparse.Namespace) -> None:
     if args.lookahead and keras:
         raise UnsupportedFlagError("lookahead", "Lookahead is implemented for the PyTorch "
                                    "application only (--framework torch)")
-    if keras and args.eval_img_size and args.eval_img_size != _train_size(args):
+    trained = training_resolution(args.arch, args.image_size)
+    if keras and args.eval_img_size and args.eval_img_size != trained:
         raise UnsupportedFlagError("eval_img_size", "Keras's EfficientNet is built for one "
                                    "input size; evaluating at another is implemented for the "
                                    "PyTorch application only (--framework torch)")

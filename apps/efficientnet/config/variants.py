@@ -25,6 +25,7 @@ __all__ = [
     "round_filters",
     "round_repeats",
     "scaled_blocks",
+    "training_resolution",
 ]
 
 #: Squeeze-and-excitation ratio, relative to a block's *input* channels.
@@ -146,3 +147,10 @@ def get_variant(arch: str) -> Variant:
             f"unknown EfficientNet variant {arch!r}; valid names: {valid} "
             f"(or the short forms b0..b7)"
         ) from None
+
+
+def training_resolution(arch: str, image_size: int | None) -> int:
+    """The training resolution: ``--image_size`` when given, else ``arch``'s own."""
+    if image_size:
+        return int(image_size)
+    return SMALL_CNN_RESOLUTION if arch == SMALL_CNN else get_variant(arch).resolution

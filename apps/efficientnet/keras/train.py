@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from apps.efficientnet.config.flags import LR_BATCH_BASE, peak_lr
-from apps.efficientnet.config.variants import SMALL_CNN, SMALL_CNN_RESOLUTION, get_variant
+from apps.efficientnet.config.variants import training_resolution
 from apps.efficientnet.dataloader.index import record_counts
 from apps.efficientnet.keras.comm import Comm, make_comm
 from apps.efficientnet.runtime.metrics import MetricLogger, latency_percentiles
@@ -207,8 +207,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if policy:
         keras.mixed_precision.set_global_policy(policy)
     size, rank = comm.size, comm.rank
-    image_size = args.image_size or (SMALL_CNN_RESOLUTION if args.arch == SMALL_CNN
-                                     else get_variant(args.arch).resolution)
+    image_size = training_resolution(args.arch, args.image_size)
     global_batch = args.train_batch_size * size
     steps = args.steps_per_epoch
     if not steps and args.train_num_examples:

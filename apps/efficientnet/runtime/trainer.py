@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from apps.efficientnet.config.flags import peak_lr
-from apps.efficientnet.config.variants import SMALL_CNN, SMALL_CNN_RESOLUTION, get_variant
+from apps.efficientnet.config.variants import SMALL_CNN, training_resolution
 from apps.efficientnet.model import SmallCNN, efficientnet
 from apps.efficientnet.runtime.checkpoint import capture_rng, restore_rng
 from apps.efficientnet.runtime.distributed import Dist, accumulating, average, unwrap, wrap
@@ -97,9 +97,7 @@ def amp_dtype(args: argparse.Namespace, device: torch.device) -> torch.dtype | N
 
 def image_size(args: argparse.Namespace) -> int:
     """``--image_size`` or the variant's resolution."""
-    if args.image_size:
-        return args.image_size
-    return SMALL_CNN_RESOLUTION if args.arch == SMALL_CNN else get_variant(args.arch).resolution
+    return training_resolution(args.arch, args.image_size)
 
 
 def build_trainer(args: argparse.Namespace, dist: Dist, steps_per_epoch: int) -> Trainer:
