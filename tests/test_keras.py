@@ -65,12 +65,17 @@ class _Recorder:
         return Recorder()
 
 
-def _fit_matches_one_process(keras, hvd, rank: int, passes: int, epochs: int = 2) -> dict:
-    """2 ranks x batch B through model.fit == 1 process x batch 2B (weights, averaged loss)."""
+def _fit_matches_one_process(keras, hvd, rank: int, passes: int, epochs: int = 2,
+                             average: bool | None = None) -> dict:
+    """2 ranks x batch B through model.fit == 1 process x batch 2B (weights, averaged loss).
+    With ``passes`` > 1 the update uses the sum of the passes' gradients (Horovod's default),
+    which for SGD is the mean at ``passes`` times the rate; ``average=True``: the mean."""
     n = hvd.size()
     model = _model(keras, seed=rank)  # different until BroadcastGlobalVariablesCallback
     opt = hvd.DistributedOptimizer(keras.optimizers.SGD(LR, momentum=0.9),
-                                   backward_passes_per_step=passes)
+                                   backward_passes_per_step=passes,
+                                   **({} if average is None else
+                                      {"average_aggregated_gradients": average}))
     assert isinstance(opt, keras.optimizers.SGD)
 
     class Custom(type(opt)):  # the distributed class is an ordinary, subclassable class
@@ -99,7 +104,8 @@ def _fit_matches_one_process(keras, hvd, rank: int, passes: int, epochs: int = 2
     grads = [s for s in submitted if s and s.startswith("DistributedSGD.")]
     assert len(grads) == 4 * epochs * STEPS // passes, submitted
     ref = _model(keras, seed=0)
-    ref.compile(optimizer=keras.optimizers.SGD(LR, momentum=0.9, gradient_accumulation_steps=(
+    lr = LR if average or passes == 1 else LR * passes
+    ref.compile(optimizer=keras.optimizers.SGD(lr, momentum=0.9, gradient_accumulation_steps=(
         passes if passes > 1 else None)), loss="mse")
     gx, gy = _global(n)
     ref_history = ref.fit(gx, gy, batch_size=n * B, epochs=epochs, shuffle=False, verbose=0)
@@ -185,6 +191,7 @@ def _everything(rank: int, checkpoint_dir: str) -> dict:
     assert tfk.callbacks.MetricAverageCallback is hvd.callbacks.MetricAverageCallback
     out = {"fit": _fit_matches_one_process(keras, hvd, rank, passes=1),
            "fit2": _fit_matches_one_process(keras, tfk, rank, passes=2),
+           "fit2avg": _fit_matches_one_process(keras, hvd, rank, passes=2, average=True),
            "lrs": _lr_schedule(keras, hvd), "late": _late_broadcast(keras, hvd, rank)}
     out["walkthrough"] = _walkthrough(rank, checkpoint_dir)
     return out

@@ -126,7 +126,8 @@ def test_sagemaker_job(tmp_path: Path) -> None:
     conf.joinpath("resourceconfig.json").write_text(json.dumps(
         {"current_host": "algo-1", "hosts": ["algo-2", "algo-1"],
          "network_interface_name": "lo"}))
-    proc, _ = shoalrun("--sagemaker", "--emulate-hosts", "-v", sys.executable, "-c", ALLREDUCE,
+    proc, _ = shoalrun("--sagemaker", "--emulate-hosts", "--verbose", sys.executable, "-c",
+                       ALLREDUCE,
                        SAGEMAKER_BASE_DIR=str(tmp_path), SM_NUM_GPUS="2",
                        SM_HPS=json.dumps({"lr": 0.1, "epochs": 3}))
     assert proc.returncode == 0, proc.stderr

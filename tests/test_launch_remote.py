@@ -65,8 +65,8 @@ def netns() -> Iterator[tuple[str, str, str, str]]:
 def test_job_across_namespaces(netns: tuple[str, str, str, str], how: str) -> None:
     a, b, bridge, addr = netns
     extra = ["--network-interface", bridge] if how == "interface" else []
-    proc, took = shoalrun("-np", "4", "-H", f"{a}:2,{b}:2", "--host-runner", "netns", "-v",
-                          *extra, sys.executable, "-c", ALLREDUCE)
+    proc, took = shoalrun("-np", "4", "-H", f"{a}:2,{b}:2", "--host-runner", "netns",
+                          "--verbose", *extra, sys.executable, "-c", ALLREDUCE)
     assert proc.returncode == 0, proc.stderr
     got = results(proc.stdout)
     assert [(d["host"], d["local"], d["cross"]) for d in got] == [

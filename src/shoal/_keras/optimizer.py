@@ -49,6 +49,8 @@ class Reduction:
     sparse_as_dense: bool = False
     groups: Any = None
     process_set: Any = None
+    #: the update uses the sum of the accumulated batches' gradients, not their mean
+    sum_aggregated: bool = False
 
     def __call__(self, grads: list[Any], variables: list[Any] | None = None) -> list[Any]:
         """``grads`` reduced across the process set (``None`` entries stay ``None``)."""
@@ -81,12 +83,17 @@ class DistributedOptimizerMixin:
         return super().apply(grads, trainable_variables)  # type: ignore[misc]
 
     def _clip_gradients(self, grads: list[Any]) -> list[Any]:
+        reduce = self._shoal_reduction or Reduction(type(self).__name__)
         if not self._shoal_reduced:
-            reduce = self._shoal_reduction or Reduction(type(self).__name__)
             variables = self._shoal_variables
             if variables is None:
                 variables = getattr(self, "_trainable_variables", None)
             grads = reduce(list(grads), None if variables is None else list(variables))
+        steps = getattr(self, "gradient_accumulation_steps", None)
+        if reduce.sum_aggregated and steps:
+            # Keras hands over the mean of the accumulated gradients; Horovod's default
+            # (average_aggregated_gradients=False) applies their sum
+            grads = [None if g is None else g * steps for g in grads]
         return super()._clip_gradients(grads)  # type: ignore[misc]
 
 
@@ -113,22 +120,24 @@ def create_distributed_optimizer(keras: ModuleType, optimizer: Any, name: str | 
                                  gradient_predivide_factor: float = 1.0,
                                  op: ReduceOp = ReduceOp.AVERAGE,
                                  backward_passes_per_step: int = 1,
-                                 average_aggregated_gradients: bool = True,
+                                 average_aggregated_gradients: bool = False,
                                  num_groups: int = 0, groups: Any = None,
                                  process_set: Any = None,
                                  scale_local_gradients: bool = True) -> Any:
-    """Wrap a Keras 3 optimizer so that its updates use gradients averaged over the process
-    set (all ranks by default).
+    """Wrap a Keras 3 optimizer so that its updates use gradients averaged over the process set
+    (all ranks by default).
 
-    ``name`` prefixes the collectives' names: give each distributed optimizer of a process
-    its own when several update in the same step. ``backward_passes_per_step=N`` accumulates
-    N batches locally (Keras's ``gradient_accumulation_steps``, which averages them) and
-    communicates once. ``groups`` (a number, or lists of variables reduced together) and
-    ``num_groups`` split the reduction into several grouped allreduces; ``sparse_as_dense``
-    densifies ``IndexedSlices`` first (otherwise they are allgathered, as Horovod does);
-    ``gradient_predivide_factor`` divides before the sum and the rest after. ``device_*``
-    are accepted and ignored (reductions run on the host). With ``jit_compile=True`` or a
-    loss-scale optimizer around it, ``model.fit`` splits its step (:mod:`.split`).
+    ``name`` prefixes the collectives' names: give each distributed optimizer of a process its
+    own when several update in the same step. ``backward_passes_per_step=N`` accumulates N
+    batches locally (Keras's ``gradient_accumulation_steps``) and communicates once; the update
+    then uses the sum of the N batches' gradients, as Horovod's does, or their mean with
+    ``average_aggregated_gradients=True``. ``groups`` (a number, or lists of variables reduced
+    together) and ``num_groups`` split the reduction into several grouped allreduces;
+    ``sparse_as_dense`` densifies ``IndexedSlices`` first (otherwise they are allgathered, as
+    Horovod does); ``gradient_predivide_factor`` divides before the sum and the rest after.
+    ``device_*`` are accepted and ignored (reductions run on the host). With
+    ``jit_compile=True`` or a loss-scale optimizer around it, ``model.fit`` splits its step
+    (:mod:`.split`).
     """
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a keras.optimizers.Optimizer, not "
@@ -146,9 +155,6 @@ def create_distributed_optimizer(keras: ModuleType, optimizer: Any, name: str | 
                                   f"where shoal reduces gradients; use Keras 3.0 to 3.15")
     if backward_passes_per_step < 1:
         raise ValueError("backward_passes_per_step must be >= 1")
-    if not average_aggregated_gradients and backward_passes_per_step > 1:
-        raise NotImplementedError("average_aggregated_gradients=False is not supported: Keras "
-                                  "averages the accumulated gradients")
     if num_groups and groups is not None:
         raise ValueError("pass either num_groups or groups, not both")
     if optimizer.built:
@@ -170,7 +176,8 @@ def create_distributed_optimizer(keras: ModuleType, optimizer: Any, name: str | 
     wrapped._shoal_reduction = Reduction(
         name or f"Distributed{type(optimizer).__name__}", compression, op,
         gradient_predivide_factor, sparse_as_dense,
-        groups if groups is not None else num_groups, process_set)
+        groups if groups is not None else num_groups, process_set,
+        sum_aggregated=backward_passes_per_step > 1 and not average_aggregated_gradients)
     from .split import install
     install(keras)
     return wrapped

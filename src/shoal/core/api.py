@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -45,6 +46,7 @@ __all__ = [
     "cross_rank",
     "cross_size",
     "init",
+    "is_homogeneous",
     "is_initialized",
     "join",
     "local_rank",
@@ -63,12 +65,13 @@ _lock = threading.RLock()
 _state: dict[str, Any] = {"comm": None, "generation": 0}
 
 
-def init(*, rank: int | None = None, size: int | None = None, local_rank: int | None = None,
+def init(comm: Sequence[int] | Any = None,
+         process_sets: Sequence[process_sets_.ProcessSet | Sequence[int]] | str | None = (), *,
+         rank: int | None = None, size: int | None = None, local_rank: int | None = None,
          local_size: int | None = None, rendezvous_addr: str | None = None,
          rendezvous_port: int | None = None, hostname: str | None = None,
          secret: str | None = None, job_id: str | None = None,
          serve_store: bool | None = None,
-         process_sets: Sequence[process_sets_.ProcessSet | Sequence[int]] = (),
          store_prefix: str | None = None, **settings: Any) -> None:
     """Join the job: build the default communicator. Safe to call twice (the second call does
     nothing); after ``shutdown()`` it builds a fresh one.
@@ -79,13 +82,27 @@ def init(*, rank: int | None = None, size: int | None = None, local_rank: int | 
     (``timeout_s=5``, ``allreduce_algorithm="ring"``). ``serve_store`` says whether rank 0
     serves the rendezvous store (default: unless shoalrun, which serves it, started the job;
     a store outside the workers survives any of them, which lets survivors name the dead).
-    ``process_sets`` are registered at once (Horovod's static process sets).
+    ``process_sets`` are registered at once (Horovod's static process sets; ``"dynamic"``,
+    Horovod's switch for :func:`~shoal.core.process_sets.add_process_set` later, is shoal's
+    normal state).
     ``store_prefix`` names this communicator's keys in the store (default: per process and
     generation); an elastic world sets it, the same on every member.
+
+    ``comm`` (Horovod's first argument) makes the job of some of the launched processes only:
+    a list of the launcher's ranks (position i becomes rank i), or an mpi4py communicator
+    (``MPI.COMM_WORLD.Split(...)``: each part trains on its own). Processes of several such
+    jobs meet at one store, so the process that serves it (the launcher's rank 0, unless
+    shoalrun serves it) must call ``init`` too.
 
     In a worker of shoalrun's elastic mode (``SHOAL_ELASTIC_ID`` set) and without an explicit
     ``rank``, it joins the driver's current world (:func:`shoal.core.elastic.join_world`).
     """
+    if isinstance(process_sets, str):
+        if process_sets.lower() != "dynamic":
+            raise ValueError(f"init(process_sets={process_sets!r}): pass a list of process sets "
+                             f"or 'dynamic'")
+        process_sets = ()
+    process_sets = list(process_sets or ())
     if rank is None and os.environ.get("SHOAL_ELASTIC_ID") and _state["comm"] is None:
         from . import elastic
 
@@ -95,19 +112,25 @@ def init(*, rank: int | None = None, size: int | None = None, local_rank: int | 
         if _state["comm"] is not None:
             return
         cfg = config.load(**settings)
-        logging.getLogger("shoal").setLevel(cfg.log_level.upper())
+        _configure_logging(cfg)
         info = topology.detect(cfg=cfg, rank=rank, size=size, local_rank=local_rank,
                                local_size=local_size, rendezvous_addr=rendezvous_addr,
                                rendezvous_port=rendezvous_port, hostname=hostname,
                                secret=secret, job_id=job_id)
-        if info.size == 1:
+        if serve_store is None:
+            serve_store = info.launcher != "shoalrun"
+        serving = info.rank == 0 and serve_store
+        members = _members(comm, info)
+        if members is not None:
+            info = dataclasses.replace(info, rank=members.index(info.rank), size=len(members))
+            store_prefix = store_prefix or f"shoal/comm/{'.'.join(map(str, members))}"
+        process_sets_.check_static(process_sets, info.size, info.rank)
+        # a part of one (``comm``) whose process serves the store goes on serving it
+        if info.size == 1 and not (serving and members is not None):
             _state["comm"] = Communicator.create(None, 0, 1, cfg=cfg, hostname=info.hostname)
             process_sets_.bind(_state["comm"], process_sets)
             return
         _state["generation"] += 1
-        if serve_store is None:
-            serve_store = info.launcher != "shoalrun"
-        serving = info.rank == 0 and serve_store
         deadline = time.monotonic() + cfg.start_timeout_s
         closed_handshakes = 0
         while True:
@@ -126,12 +149,66 @@ def init(*, rank: int | None = None, size: int | None = None, local_rank: int | 
                 closed_handshakes += isinstance(exc, AuthenticationError)
                 time.sleep(0.1)
         try:
-            topology.check_consistent(info, comm.world)
+            if members is None:
+                topology.check_consistent(info, comm.world)
         except BaseException:
             comm.close()
             raise
         _state["comm"] = comm
         process_sets_.bind(comm, process_sets)
+
+
+_TIMED = "shoal-timestamps"  # the name of the handler log_timestamps adds
+
+
+def _configure_logging(cfg: config.Config) -> None:
+    """The shoal loggers' level, and with ``log_timestamps`` a stderr handler of their own
+    whose lines carry the time (Horovod's ``--log-with-timestamp``)."""
+    logger = logging.getLogger("shoal")
+    logger.setLevel(cfg.log_level.upper())
+    handler = next((h for h in logger.handlers if h.get_name() == _TIMED), None)
+    if cfg.log_timestamps and handler is None:
+        handler = logging.StreamHandler()
+        handler.set_name(_TIMED)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: "
+                                               "%(message)s"))
+        logger.addHandler(handler)
+        logger.propagate = False
+    elif not cfg.log_timestamps and handler is not None:
+        logger.removeHandler(handler)
+        logger.propagate = True
+
+
+def _members(comm: Sequence[int] | Any, info: topology.LaunchInfo) -> list[int] | None:
+    """The launcher's ranks that make this job, from Horovod's ``comm`` argument (None: all
+    of them). A ValueError, before anything is built, for a rank list without this process
+    or with ranks the launcher did not start."""
+    if comm is None:
+        return None
+    if hasattr(comm, "Get_group") and hasattr(comm, "Get_size"):  # an mpi4py communicator
+        from mpi4py import MPI
+        ranks = MPI.Group.Translate_ranks(comm.Get_group(), list(range(comm.Get_size())),
+                                          MPI.COMM_WORLD.Get_group())
+        if MPI.COMM_WORLD.Get_size() != info.size:
+            raise ValueError(f"rank {info.rank}: init(comm=...) got an MPI communicator, but "
+                             f"the job was not started as MPI's world (size "
+                             f"{MPI.COMM_WORLD.Get_size()} here, {info.size} launched); start "
+                             f"it with mpirun, or pass a list of ranks")
+    elif isinstance(comm, str) or not hasattr(comm, "__iter__"):
+        raise ValueError(f"init(comm=...) takes a list of ranks or an mpi4py communicator, "
+                         f"not {type(comm).__name__}")
+    else:
+        ranks = list(comm)
+    if not ranks:
+        return None  # Horovod's "all of MPI_COMM_WORLD"
+    if any(not isinstance(r, int) for r in ranks) or len(set(ranks)) != len(ranks) or \
+            not all(0 <= r < info.size for r in ranks):
+        raise ValueError(f"rank {info.rank}: init(comm={ranks}) must list distinct ranks of "
+                         f"the {info.size} launched processes")
+    if info.rank not in ranks:
+        raise ValueError(f"rank {info.rank}: init(comm={ranks}) does not include this "
+                         f"process; pass each process a list that contains its own rank")
+    return [int(r) for r in ranks]
 
 
 def _join(info: topology.LaunchInfo, cfg: config.Config, serving: bool,
@@ -232,6 +309,11 @@ def local_rank() -> int:
 def local_size() -> int:
     """Number of processes on this host."""
     return communicator().world.local_size
+
+
+def is_homogeneous() -> bool:
+    """Whether every host runs the same number of processes."""
+    return communicator().world.homogeneous
 
 
 def cross_rank() -> int:

@@ -1,6 +1,8 @@
 """Horovod's build queries (``mpi_built()``, ``nccl_built()``...) and timeline controls, the
-same for every adapter: shoal is pure Python over numpy, so it is built on none of MPI, gloo,
-NCCL, DDL, oneCCL or ROCm; adapters answer ``cuda_built()`` from their framework."""
+same for every adapter, answered truthfully for shoal: it needs no MPI, DDL, oneCCL or ROCm,
+and it plays gloo's part (collectives and rendezvous without MPI), so the gloo queries say
+yes. Adapters answer ``cuda_built()`` from their framework, and the torch adapter
+``nccl_built()`` (its device path uses torch's NCCL on hosts with several GPUs)."""
 
 from __future__ import annotations
 
@@ -22,17 +24,19 @@ def mpi_built() -> bool:
 
 
 def gloo_enabled() -> bool:
-    """shoal does not use gloo."""
-    return False
+    """True: shoal runs as Horovod does under gloo (its own rendezvous and collectives, no
+    MPI), so code paths Horovod takes "with gloo" are the ones that fit shoal."""
+    return True
 
 
 def gloo_built() -> bool:
-    """shoal is not built on gloo."""
-    return False
+    """True: see :func:`gloo_enabled`."""
+    return True
 
 
 def nccl_built() -> bool:
-    """shoal reduces on CPUs; no NCCL (Horovod answers 0 for "not built")."""
+    """False for the core and the TensorFlow adapter, which reduce on CPUs; the torch
+    adapter's answer says whether its device path can use NCCL."""
     return False
 
 

@@ -80,6 +80,8 @@ KNOBS: dict[str, Knob] = _knobs(
     Knob("hostname", str, None, "host identity; processes with equal values share memory "
          "(override it to split one machine into simulated nodes)"),
     Knob("job_id", str, None, "job identifier, names shared-memory segments"),
+    Knob("as", str, None, "the import switch: horovod and/or smddp (comma-separated) resolve "
+         "Horovod's or SMDDP's imports to shoal's modules (shoalrun --as; shoal.alias)"),
     Knob("secret", str, None, "job secret every connection must prove (hex); shoalrun sets it"),
     Knob("secret_file", str, None, "a file holding the job secret (a mounted Kubernetes or "
          "SageMaker secret), read when SHOAL_SECRET is unset: it stays out of the environment"),
@@ -103,7 +105,8 @@ KNOBS: dict[str, Knob] = _knobs(
          "or unreachable); a live, busy peer is waited for"),
     Knob("start_timeout_s", float, 120.0, "longest wait for every rank to join the rendezvous"),
     # transports and algorithms
-    Knob("allreduce_algorithm", str, "auto", "auto | shm | ring | hierarchical"),
+    Knob("allreduce_algorithm", str, "auto", "auto | shm | ring | hierarchical | flat (never "
+         "hierarchical: shm on one host, else ring)"),
     Knob("shm_chunk_bytes", _parse_bytes, 1 << 20, "pipeline chunk of the shared-memory path"),
     Knob("shm_enable", _parse_bool, True, "use shared memory between ranks on one host"),
     Knob("tcp_buffer_bytes", _parse_bytes, 4 << 20, "socket send/receive buffer size"),
@@ -135,6 +138,8 @@ KNOBS: dict[str, Knob] = _knobs(
          "stands in for NCCL on CPU machines)"),
     Knob("timeline", str, None, "write a Chrome-trace timeline to this path"),
     Knob("log_level", str, "WARNING", "logging level of the shoal loggers"),
+    Knob("log_timestamps", _parse_bool, False, "shoal's log lines carry the time (they go to "
+         "stderr through a handler of their own then)"),
 )
 
 

@@ -19,8 +19,9 @@ from .errors import NotInitializedError, ShoalError
 if TYPE_CHECKING:
     from .communicator import Communicator
 
-__all__ = ["ProcessSet", "add_process_set", "communicator_for", "global_process_set",
-           "process_set_by_id", "process_set_ids", "remove_process_set"]
+__all__ = ["ProcessSet", "add_process_set", "check_static", "communicator_for",
+           "global_process_set", "ids_and_ranks", "process_set_by_id", "process_set_ids",
+           "remove_process_set"]
 
 _lock = threading.RLock()
 _sets: dict[int, ProcessSet] = {}
@@ -94,6 +95,31 @@ def bind(world: Communicator, static: Sequence[ProcessSet | Sequence[int]] = ())
         _sets[0] = global_process_set
         for ps in static:
             add_process_set(ps)
+
+
+def check_static(static: Sequence[ProcessSet | Sequence[int]], size: int, rank: int) -> None:
+    """Refuse, before ``init`` builds anything, a list of static sets that :func:`bind` would
+    refuse halfway: ranks outside ``0..size-1``, an empty or repeated rank, a set given twice
+    or equal to the global set (Horovod's ValueError for "a duplicate")."""
+    seen = [list(range(size))]
+    for i, ps in enumerate(static):
+        ranks = ps.ranks if isinstance(ps, ProcessSet) else sorted(ps)
+        if not ranks or len(set(ranks)) != len(ranks) or \
+                not all(isinstance(r, int) and 0 <= r < size for r in ranks):
+            raise ValueError(f"rank {rank}: process_sets entry {i} ({ranks}) must hold distinct "
+                             f"ranks of the job (0..{size - 1})")
+        if ranks in seen:
+            raise ValueError(f"rank {rank}: process_sets entry {i} ({ranks}) is a duplicate "
+                             f"(of the global set or of an earlier entry); pass each set once")
+        seen.append(ranks)
+
+
+def ids_and_ranks() -> dict[int, list[int]]:
+    """Every registered set's id and ranks, the global set (0) included (Horovod's
+    ``_get_process_set_ids_and_ranks``)."""
+    world = _world()
+    with _lock:
+        return {pid: list(ps._members(world)) for pid, ps in sorted(_sets.items())}
 
 
 def unbind() -> None:

@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Callable
 
-__all__ = ["MARKER_DIR", "main"]
+__all__ = ["MARKER_DIR", "main", "switch_path"]
 
 MARKER_DIR = os.path.join(tempfile.gettempdir(), "shoal-workers")
 
@@ -96,11 +96,30 @@ def bound(env: dict[str, str]) -> Callable[[], None] | None:
     return lambda: os.sched_setaffinity(0, cores)
 
 
+def switch_path(env: dict[str, str]) -> None:
+    """Under the import switch (``SHOAL_AS``) the worker needs shoal's ``alias/boot`` directory
+    on ``PYTHONPATH``: where shoalrun's path to it does not exist on this host, this host's
+    shoal's (found, not imported) takes its place."""
+    if not env.get("SHOAL_AS"):
+        return
+    paths = env.get("PYTHONPATH", "").split(os.pathsep)
+    tail = os.path.join("shoal", "alias", "boot")
+    if any(p.endswith(tail) and os.path.isdir(p) for p in paths):
+        return
+    import importlib.util
+    spec = importlib.util.find_spec("shoal")
+    if spec is None or not spec.submodule_search_locations:
+        return  # the worker's own interpreter says that the switch is off
+    here = os.path.join(next(iter(spec.submodule_search_locations)), "alias", "boot")
+    env["PYTHONPATH"] = os.pathsep.join([here, *(p for p in paths if p and not p.endswith(tail))])
+
+
 def main() -> int:
     """Run the worker described on stdin; its exit code."""
     payload = json.loads(sys.stdin.buffer.readline() or b"{}")
     argv, grace = payload.get("argv"), float(payload.get("grace", 5.0))
     env = {**os.environ, **payload.get("env", {})}
+    switch_path(env)
     where = f"shoalrun bootstrap on {os.uname().nodename}"
     if not argv:
         print(f"{where}: no command received on stdin", file=sys.stderr, flush=True)

@@ -17,7 +17,9 @@
   lost peer, restore the last commit and continue; when slots appear, starts workers and
   publishes a larger world, which running workers notice at their next ``state.commit()``;
 * does not reuse the slot of a worker that failed (a new slot in discovery is needed);
-  blacklists a host whose workers failed ``--blacklist-after`` times (default 2);
+  blacklists a host whose workers failed ``--blacklist-after`` times (default 2), for good
+  or, with ``--blacklist-cooldown-range MIN MAX``, until a cool-down ends (:class:`Blacklist`;
+  the host then gets its slots back);
 * fails the job, saying why, when fewer than ``--min-np`` workers are left for
   ``--elastic-timeout`` seconds, or when more than ``--reset-limit`` resets were needed; ends
   it when the workers exit 0.
@@ -25,8 +27,10 @@
 
 from __future__ import annotations
 
+import math
 import os
 import queue
+import random
 import secrets
 import socket
 import subprocess
@@ -37,6 +41,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .. import alias
 from ..core import config
 from ..core.auth import secret_bytes
 from ..core.elastic import ELASTIC_ID_VAR, WORLD_KEY, WorldPlan
@@ -46,7 +51,8 @@ from .options import LAUNCHER_VARS
 from .runners import HostRunner, LocalRunner
 from .supervise import Launch, _start, _stop_all, _Worker
 
-__all__ = ["ElasticOptions", "discover", "parse_discovery", "run_elastic"]
+__all__ = ["COOLDOWN_MAX_S", "Blacklist", "ElasticOptions", "discover", "parse_discovery",
+           "run_elastic"]
 
 
 @dataclass(frozen=True)
@@ -62,6 +68,9 @@ class ElasticOptions:
     reset_limit: int | None = None
     blacklist_after: int = 2
     hosts: tuple[tuple[str, int], ...] = ()  # the fixed pool without a script
+    slots_per_host: int = 1  # of a discovered host whose line gives none
+    cooldown_range: tuple[int, int] | None = None  # blacklisted for good without one
+    timestamps: bool = False  # prefix each output line with the time
 
     def check(self) -> None:
         """:class:`LaunchError` for impossible settings."""
@@ -70,11 +79,59 @@ class ElasticOptions:
                               f"<= --max-np ({self.max_np})")
         if self.discovery_interval_s <= 0 or self.elastic_timeout_s <= 0:
             raise LaunchError("elastic: --discovery-interval and --elastic-timeout must be > 0")
+        if self.slots_per_host < 1:
+            raise LaunchError("elastic: --slots-per-host must be >= 1")
+        if self.cooldown_range is not None:
+            low, high = self.cooldown_range
+            if not 1 <= low <= high <= COOLDOWN_MAX_S:
+                raise LaunchError(f"elastic: --blacklist-cooldown-range {low} {high}: need "
+                                  f"1 <= MIN <= MAX <= {COOLDOWN_MAX_S} seconds")
 
 
-def parse_discovery(text: str) -> list[tuple[str, int]]:
-    """``host:slots`` lines (``host`` alone: 1 slot; blank lines and ``#`` comments
-    skipped), in order."""
+#: the longest cool-down horovodrun allows (an hour)
+COOLDOWN_MAX_S = 3600
+
+
+class Blacklist:
+    """Hosts kept out of the pool: for good, or, with a cool-down range (horovodrun's
+    ``--blacklist-cooldown-range MIN MAX``), until a cool-down ends that doubles with each
+    blacklisting of the host (``MIN * 2**n`` plus up to ``MIN`` of jitter, within
+    ``MIN..MAX``)."""
+
+    def __init__(self, cooldown_range: tuple[int, int] | None = None,
+                 rng: random.Random | None = None) -> None:
+        self.cooldown_range = cooldown_range
+        self.until: dict[str, float] = {}  # host -> end of its cool-down (inf: never)
+        self.times: Counter[str] = Counter()
+        self._rng = rng or random.Random()
+
+    def add(self, host: str, now: float) -> float:
+        """Blacklist ``host`` from ``now``; returns the seconds it stays out (inf: for good)."""
+        self.times[host] += 1
+        if self.cooldown_range is None:
+            delay = math.inf
+        else:
+            low, high = self.cooldown_range
+            delay = low * (1 << self.times[host]) + self._rng.uniform(0, 1) * low
+            delay = max(low, min(high, delay))
+        self.until[host] = now + delay
+        return delay
+
+    def active(self, now: float) -> set[str]:
+        """The hosts out of the pool at ``now``."""
+        return {h for h, end in self.until.items() if end > now}
+
+    def returned(self, now: float) -> list[str]:
+        """Hosts whose cool-down has ended since the last call (each is said once)."""
+        back = [h for h, end in self.until.items() if end <= now]
+        for h in back:
+            del self.until[h]
+        return back
+
+
+def parse_discovery(text: str, slots_per_host: int = 1) -> list[tuple[str, int]]:
+    """``host:slots`` lines (``host`` alone: ``slots_per_host`` slots; blank lines and ``#``
+    comments skipped), in order."""
     out: list[tuple[str, int]] = []
     for raw in text.splitlines():
         line = raw.split("#", 1)[0].strip()
@@ -85,11 +142,12 @@ def parse_discovery(text: str) -> list[tuple[str, int]]:
             raise LaunchError(f"host discovery: cannot read {raw!r} (expected host:slots)")
         if any(h == host for h, _ in out):
             continue
-        out.append((host, int(slots) if slots else 1))
+        out.append((host, int(slots) if slots else slots_per_host))
     return out
 
 
-def discover(script: str, timeout: float = 30.0) -> list[tuple[str, int]]:
+def discover(script: str, timeout: float = 30.0, slots_per_host: int = 1
+             ) -> list[tuple[str, int]]:
     """Run the discovery script; its hosts and slots."""
     try:
         proc = subprocess.run([script], capture_output=True, text=True, timeout=timeout,
@@ -99,7 +157,7 @@ def discover(script: str, timeout: float = 30.0) -> list[tuple[str, int]]:
     if proc.returncode != 0:
         raise LaunchError(f"host discovery script {script} exited with {proc.returncode}: "
                           f"{proc.stderr.strip()[-300:]}")
-    return parse_discovery(proc.stdout)
+    return parse_discovery(proc.stdout, slots_per_host)
 
 
 @dataclass
@@ -125,7 +183,7 @@ class _Driver:
     settings: Mapping[str, str] = field(default_factory=dict)
     members: dict[str, _Member] = field(default_factory=dict)
     failures: Counter[str] = field(default_factory=Counter)
-    blacklist: set[str] = field(default_factory=set)
+    blacklist: Blacklist = field(default_factory=Blacklist)
     retired: set[str] = field(default_factory=set)  # slots whose worker failed: not reused
     version: int = 0
     resets: int = 0
@@ -136,9 +194,15 @@ class _Driver:
     names: set[str] = field(default_factory=local_host_names)
 
     def pool(self) -> list[tuple[str, int]]:
-        hosts = (discover(self.opts.discovery_script) if self.opts.discovery_script
-                 else list(self.opts.hosts))
-        return [(h, n) for h, n in hosts if h not in self.blacklist]
+        hosts = (discover(self.opts.discovery_script, slots_per_host=self.opts.slots_per_host)
+                 if self.opts.discovery_script else list(self.opts.hosts))
+        now = time.monotonic()
+        for host in self.blacklist.returned(now):  # a second chance, its slots included
+            self.failures[host] = 0
+            self.retired = {m for m in self.retired if not m.startswith(f"{host}:")}
+            err(f"elastic: host {host} is back after its cool-down")
+        out = self.blacklist.active(now)
+        return [(h, n) for h, n in hosts if h not in out]
 
     def env_of(self, spec: WorkerSpec, member_id: str) -> dict[str, str]:
         local = spec.local
@@ -157,7 +221,7 @@ class _Driver:
             "SHOAL_ELASTIC_TIMEOUT_S": str(self.opts.elastic_timeout_s),
             config.env_name("start_timeout_s"): str(self.start_timeout_s),
             "PYTHONUNBUFFERED": "1"})
-        return base
+        return alias.worker_environment(base)  # the import switch, where --as asks for it
 
     def start(self, host: str, slot: int) -> None:
         member_id = f"{host}:{slot}"
@@ -171,7 +235,8 @@ class _Driver:
         job = Launch([spec], list(self.command),
                      runner_of=lambda s: self.local if s.local else self.remote,
                      env_of=lambda s: env, cwd=os.getcwd(), job_id=self.job_id,
-                     kill_grace=self.kill_grace, start_timeout_s=self.start_timeout_s)
+                     kill_grace=self.kill_grace, start_timeout_s=self.start_timeout_s,
+                     timestamps=self.opts.timestamps)
         worker = _start(job, spec, self.lock, self.done)
         self.members[member_id] = _Member(member_id, host, worker, self.version + 1)
 
@@ -205,7 +270,8 @@ def run_elastic(opts: ElasticOptions, command: Sequence[str], *, remote: HostRun
     server = StoreServer(secret_bytes(secret), host=addr, port=0).start()
     store = StoreClient(addr, int(server.address[1]), secret_bytes(secret), timeout=10.0)
     d = _Driver(opts, list(command), env, remote, addr, int(server.address[1]), secret, job_id,
-                start_timeout_s, kill_grace, dict(settings or {}))
+                start_timeout_s, kill_grace, dict(settings or {}),
+                blacklist=Blacklist(opts.cooldown_range))
     try:
         return _loop(d, store)
     finally:
@@ -239,9 +305,11 @@ def _loop(d: _Driver, store: object) -> int:
             d.retired.add(m.id)
             why = f"signal {-rc}" if rc < 0 else f"exit code {rc}"
             err(f"elastic: worker {m.id} failed ({why}); {len(d.members)} left")
-            if d.failures[m.host] >= opts.blacklist_after and m.host not in d.blacklist:
-                d.blacklist.add(m.host)
-                err(f"elastic: host {m.host} blacklisted after {d.failures[m.host]} failures")
+            if d.failures[m.host] >= opts.blacklist_after and \
+                    m.host not in d.blacklist.active(time.monotonic()):
+                out_for = d.blacklist.add(m.host, time.monotonic())
+                err(f"elastic: host {m.host} blacklisted after {d.failures[m.host]} failures"
+                    + ("" if math.isinf(out_for) else f", for {out_for:.0f}s"))
             changed = True
         if finished:
             if not d.members:
@@ -277,7 +345,7 @@ def _loop(d: _Driver, store: object) -> int:
                 f"{h}:{s}" not in d.retired for h, n in pool for s in range(n)):
             err(f"elastic: every worker failed and no slot is left to start one "
                 f"({sum(d.failures.values())} failures; blacklisted: "
-                f"{', '.join(sorted(d.blacklist)) or 'none'}): stopping the job")
+                f"{', '.join(sorted(d.blacklist.active(now))) or 'none'}): stopping the job")
             return ExitCode.ERROR
         if len(d.members) < opts.min_np:
             below_since = below_since or now

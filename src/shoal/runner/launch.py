@@ -38,6 +38,8 @@ flags (``--timeline-filename`` ...), then:
 ``MASTER_ADDR``            rank 0's host, for ``torch.distributed``'s own store
 ``MASTER_PORT``            a free port for it (not the shoal store's port)
 ``PYTHONUNBUFFERED``       ``1``, so output reaches shoalrun as it is printed
+``SHOAL_AS``               the import switch (``--as horovod``), with ``shoal.alias``'s
+                           ``boot`` directory first on ``PYTHONPATH``
 =========================  ========================================================
 
 The same values under the names other launchers use, so their user code runs unchanged:
@@ -59,6 +61,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .. import alias
 from ..core import config
 from ..core.errors import ConfigError, ShoalError
 from . import options, sagemaker
@@ -153,6 +156,7 @@ def worker_env(spec: WorkerSpec, job: Job, base_env: Mapping[str, str]) -> dict[
     env[config.env_name("start_timeout_s")] = str(job.start_timeout_s)
     env["PYTHONUNBUFFERED"] = "1"
     env.update(job.tty)
+    env = alias.worker_environment(env)  # the import switch, where --as asks for it
     if job.emulate_hosts:
         env[config.env_name("hostname")] = spec.host
     return env
@@ -185,11 +189,13 @@ def launch(specs: Sequence[WorkerSpec], command: Sequence[str], *,
            settings: Mapping[str, str] | None = None, remote: HostRunner | None = None,
            network_interface: str | None = None, output_dir: str | Path | None = None,
            environ: Mapping[str, str] | None = None,
-           host_env: Mapping[str, Mapping[str, str]] | None = None) -> int:
+           host_env: Mapping[str, Mapping[str, str]] | None = None,
+           timestamps: bool = False) -> int:
     """Run one job: start the store, the workers, wait; the job's exit code.
 
     ``remote`` starts the workers of hosts that are not this machine (default: ssh);
-    ``host_env`` adds variables to the workers of each host (by host name).
+    ``host_env`` adds variables to the workers of each host (by host name); ``timestamps``
+    prefixes every output line with the time.
     Raises :class:`LaunchError` before starting anything when the job cannot run.
     """
     from ..core.auth import secret_bytes
@@ -232,7 +238,7 @@ def launch(specs: Sequence[WorkerSpec], command: Sequence[str], *,
             specs, list(command), runner_of=lambda s: local if s.local else remote,
             env_of=lambda s: worker_env(s, job, bases[s.local]), cwd=os.getcwd(),
             job_id=job_id, kill_grace=kill_grace, start_timeout_s=start_timeout_s,
-            watch=watch, output_dir=out_dir))
+            watch=watch, output_dir=out_dir, timestamps=timestamps))
     finally:
         if watch is not None:
             watch.close()
@@ -255,7 +261,8 @@ def _elastic(args: object, command: list[str], cfg: config.Config,
     a: Any = args
     hosts = parse_hosts(a.hosts) if a.hosts else parse_hostfile(a.hostfile) \
         if a.hostfile else []
-    np_ = a.np or a.min_np or (sum(n for _, n in discover(a.host_discovery_script))
+    np_ = a.np or a.min_np or (sum(n for _, n in discover(a.host_discovery_script,
+                                                          slots_per_host=a.slots_per_host or 1))
                                if a.host_discovery_script else sum(n for _, n in hosts))
     if not np_:
         raise LaunchError("elastic: give -np (or --min-np)")
@@ -266,7 +273,9 @@ def _elastic(args: object, command: list[str], cfg: config.Config,
                           discovery_interval_s=a.discovery_interval,
                           elastic_timeout_s=cfg.elastic_timeout_s,
                           reset_limit=a.reset_limit, blacklist_after=a.blacklist_after,
-                          hosts=tuple(hosts))
+                          hosts=tuple(hosts), slots_per_host=a.slots_per_host or 1,
+                          cooldown_range=tuple(a.cooldown_range) if a.cooldown_range else None,
+                          timestamps=a.prefix_timestamp)
     remote = make_runner(a.host_runner, python=a.remote_python, grace=a.kill_grace,
                          ssh_port=a.ssh_port, ssh_identity_file=a.ssh_identity_file,
                          connect_timeout=cfg.start_timeout_s)
@@ -320,6 +329,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise LaunchError("no command to run")
         if args.min_np or args.max_np or args.host_discovery_script:
             return _elastic(args, command, cfg, env, settings)
+        for flag, given in (("--slots-per-host", args.slots_per_host),
+                            ("--blacklist-cooldown-range", args.cooldown_range)):
+            if given:
+                raise LaunchError(f"{flag} applies to elastic jobs only (give --min-np, "
+                                  f"--max-np or --host-discovery-script)")
         if args.hosts and args.hostfile:
             raise LaunchError("give the hosts with -H or --hostfile, not both")
         if args.hosts:
@@ -340,7 +354,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                       start_timeout_s=cfg.start_timeout_s, kill_grace=args.kill_grace,
                       verbose=args.verbose, settings=settings, remote=remote,
                       network_interface=args.network_interface,
-                      output_dir=args.output_filename, environ=env, host_env=host_env)
+                      output_dir=args.output_filename, environ=env, host_env=host_env,
+                      timestamps=args.prefix_timestamp)
     except (LaunchError, ConfigError) as exc:
         err(f"error: {exc}")
         return ExitCode.USAGE

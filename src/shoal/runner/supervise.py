@@ -68,6 +68,7 @@ class Launch:
     start_timeout_s: float = 120.0
     watch: RendezvousWatch | None = None
     output_dir: Path | None = None
+    timestamps: bool = False  # prefix each output line with the time (horovodrun's flag)
 
 
 @dataclass
@@ -95,14 +96,20 @@ def _write(out: IO[str], data: bytes) -> None:
 
 
 def _pump(w: _Worker, stream: IO[bytes], name: str, lock: threading.Lock,
-          console: StatusLine | None = None) -> None:
+          console: StatusLine | None = None, timestamps: bool = False) -> None:
     """Copy one worker stream line by line, tagged, to ``sys.<name>`` (and the rank's log);
     keep draining even when our own output is gone, so that the worker never blocks. With a
-    ``console`` (a terminal), carriage-return redraws become its status line."""
-    tag = f"[{w.spec.rank}]<{name}>: ".encode()
+    ``console`` (a terminal), carriage-return redraws become its status line; ``timestamps``
+    puts the time before each tag, as horovodrun's ``--prefix-output-with-timestamp``."""
+    rank_tag = f"[{w.spec.rank}]<{name}>: ".encode()
     out = getattr(sys, name)
 
+    def stamp() -> bytes:
+        return time.strftime("%a %b %d %H:%M:%S %Y").encode() + rank_tag if timestamps \
+            else rank_tag
+
     def line(data: bytes) -> None:
+        tag = stamp()
         data = data if data.endswith(b"\n") else data + b"\n"
         if name == "stderr" and data.strip():
             w.last_error[0] = data.strip()
@@ -132,7 +139,7 @@ def _pump(w: _Worker, stream: IO[bytes], name: str, lock: threading.Lock,
                     line(text)
                 else:
                     with lock, contextlib.suppress(OSError, ValueError):
-                        console.status(out, tag + text)
+                        console.status(out, stamp() + text)
             if not chunk:
                 if buf:
                     line(buf)
@@ -229,8 +236,8 @@ def _start(job: Launch, spec: WorkerSpec, lock: threading.Lock,
     w = _Worker(spec, runner, proc, log)
     assert proc.stdout is not None and proc.stderr is not None
     for stream, name in ((proc.stdout, "stdout"), (proc.stderr, "stderr")):
-        w.threads.append(threading.Thread(target=_pump, args=(w, stream, name, lock, console),
-                                          daemon=True))
+        w.threads.append(threading.Thread(target=_pump, args=(w, stream, name, lock, console,
+                                                              job.timestamps), daemon=True))
 
     def report() -> None:
         proc.wait()

@@ -23,67 +23,20 @@ except ModuleNotFoundError as exc:  # pragma: no cover - depends on the environm
                               "pip install 'shoal[tensorflow]' (or 'shoal[tensorflow-cpu]' "
                               "on machines without GPUs)") from exc
 
-from shoal.core.api import (
-    cross_rank,
-    cross_size,
-    is_initialized,
-    local_rank,
-    local_size,
-    rank,
-    shutdown,
-    size,
-)
-from shoal.core.build_info import (
-    ccl_built,
-    ddl_built,
-    gloo_built,
-    gloo_enabled,
-    mpi_built,
-    mpi_enabled,
-    mpi_threads_supported,
-    nccl_built,
-    rocm_built,
-    start_timeline,
-    stop_timeline,
-)
 from shoal.core.errors import PeerLostError as HorovodInternalError
-from shoal.core.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
-from shoal.core.process_sets import (
-    ProcessSet,
-    add_process_set,
-    global_process_set,
-    remove_process_set,
-)
 
-from . import util
-from .collectives import (
-    allgather,
-    allreduce,
-    alltoall,
-    broadcast,
-    grouped_allgather,
-    grouped_allreduce,
-    grouped_reducescatter,
-    reducescatter,
-)
-from .device import init, pin_gpu
+from . import mpi_ops, util
+from .device import pin_gpu
 from .functions import (
     Compression,
     Compressor,
     allgather_object,
-    broadcast_,
     broadcast_object,
     broadcast_object_fn,
     broadcast_variables,
-    join,
-    local_rank_op,
-    local_size_op,
     oob_allreduce,
-    process_set_included_op,
-    rank_op,
-    size_op,
 )
-from .ops import barrier
+from .mpi_ops import *  # noqa: F403 - Horovod's layout: the basic API and collectives live there
 from .tape import DistributedGradientTape, PartialDistributedGradientTape
 from .util import _executing_eagerly  # noqa: F401 - Horovod's scripts call hvd._executing_eagerly
 
@@ -99,11 +52,6 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def cuda_built() -> bool:
-    """Whether this TensorFlow was built with CUDA (tensors are reduced on the host)."""
-    return tf.test.is_built_with_cuda()
-
-
 def broadcast_global_variables(root_rank: int) -> Any:
     """TF1 graph code: the op that broadcasts every global variable from ``root_rank``."""
     if tf.executing_eagerly():
@@ -113,16 +61,20 @@ def broadcast_global_variables(root_rank: int) -> Any:
 
 
 __all__ = [
-    "Adasum", "Average", "Compression", "Compressor", "DistributedGradientTape",
-    "HorovodInternalError", "Max", "Min", "PartialDistributedGradientTape", "ProcessSet",
-    "Product", "ReduceOp", "Sum", "SyncBatchNormalization", "add_process_set", "allgather",
-    "allgather_object", "allreduce", "alltoall", "barrier", "broadcast", "broadcast_",
-    "broadcast_global_variables", "broadcast_object", "broadcast_object_fn",
-    "broadcast_variables", "ccl_built", "cross_rank", "cross_size", "cuda_built",
-    "ddl_built", "global_process_set", "gloo_built", "gloo_enabled", "grouped_allgather",
-    "grouped_allreduce", "grouped_reducescatter", "init", "is_initialized", "join",
-    "local_rank", "local_rank_op", "local_size", "local_size_op", "mpi_built",
-    "mpi_enabled", "mpi_threads_supported", "nccl_built", "oob_allreduce", "pin_gpu",
-    "process_set_included_op", "rank", "rank_op", "reducescatter", "remove_process_set",
-    "rocm_built", "shutdown", "size", "size_op", "start_timeline", "stop_timeline", "util",
+    *mpi_ops.__all__,
+    "Compression",
+    "Compressor",
+    "DistributedGradientTape",
+    "HorovodInternalError",
+    "PartialDistributedGradientTape",
+    "SyncBatchNormalization",  # noqa: F405 - loaded on first use (__getattr__)
+    "allgather_object",
+    "broadcast_global_variables",
+    "broadcast_object",
+    "broadcast_object_fn",
+    "broadcast_variables",
+    "mpi_ops",
+    "oob_allreduce",
+    "pin_gpu",
+    "util",
 ]

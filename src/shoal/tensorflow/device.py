@@ -45,10 +45,10 @@ def pin_gpu(local_rank: int, tf: Any = None, local_size: int | None = None) -> s
     return chosen.name
 
 
-def init(**kwargs: Any) -> None:
-    """``shoal.init`` (the same arguments), then one GPU for this process
-    (:func:`pin_gpu`)."""
+def init(comm: Any = None, process_sets: Any = (), **kwargs: Any) -> None:
+    """``shoal.init`` (the same arguments: Horovod's ``comm`` and ``process_sets``, shoal's
+    settings), then one GPU for this process (:func:`pin_gpu`)."""
     first = not api.is_initialized()
-    api.init(**kwargs)
+    api.init(comm, process_sets, **kwargs)
     if first:
         pin_gpu(api.local_rank(), local_size=api.local_size())

@@ -7,83 +7,15 @@ Also registers the ``"shoal"`` backend with ``torch.distributed``, so
 from __future__ import annotations
 
 try:
-    import torch
+    import torch  # noqa: F401 - for the friendly error below
 except ModuleNotFoundError as exc:  # pragma: no cover - depends on the environment
     raise ModuleNotFoundError("shoal.torch needs PyTorch: pip install 'shoal[torch]'") from exc
 
-from shoal.core.api import (
-    cross_rank,
-    cross_size,
-    init,
-    is_initialized,
-    local_rank,
-    local_size,
-    rank,
-    shutdown,
-    size,
-)
-from shoal.core.build_info import (
-    ccl_built,
-    ddl_built,
-    gloo_built,
-    gloo_enabled,
-    mpi_built,
-    mpi_enabled,
-    mpi_threads_supported,
-    nccl_built,
-    rocm_built,
-    start_timeline,
-    stop_timeline,
-)
 from shoal.core.errors import PeerLostError as HorovodInternalError
-from shoal.core.process_sets import (
-    ProcessSet,
-    add_process_set,
-    global_process_set,
-    remove_process_set,
-)
 
-from . import elastic
-from .autograd import (
-    allgather,
-    allreduce,
-    allreduce_,
-    alltoall,
-    broadcast,
-    broadcast_,
-    grouped_allgather,
-    grouped_allreduce,
-    grouped_allreduce_,
-    grouped_reducescatter,
-    oob_allreduce,
-    reducescatter,
-)
+from . import elastic, mpi_ops
 from .compression import Compression, Compressor
-from .ops import (
-    Adasum,
-    Average,
-    Max,
-    Min,
-    Product,
-    ReduceOp,
-    Sum,
-    allgather_async,
-    allreduce_async,
-    allreduce_async_,
-    alltoall_async,
-    barrier,
-    broadcast_async,
-    broadcast_async_,
-    grouped_allgather_async,
-    grouped_allreduce_async,
-    grouped_allreduce_async_,
-    grouped_reducescatter_async,
-    join,
-    poll,
-    reducescatter_async,
-    sparse_allreduce_async,
-    synchronize,
-)
+from .mpi_ops import *  # noqa: F403 - Horovod's layout: the basic API and collectives live there
 from .optimizer import DistributedOptimizer
 from .sharded import ShardedOptimizer
 from .state import (
@@ -106,82 +38,19 @@ def _register_backend() -> None:
 _register_backend()
 
 
-def cuda_built() -> bool:
-    """CUDA tensors are supported (staged through pinned host memory) when torch has CUDA."""
-    return torch.cuda.is_available()
-
-
 __all__ = [
-    "Adasum",
-    "Average",
+    *mpi_ops.__all__,
     "Compression",
     "Compressor",
     "DistributedOptimizer",
     "HorovodInternalError",
-    "Max",
-    "Min",
-    "ProcessSet",
-    "Product",
-    "ReduceOp",
     "ShardedOptimizer",
-    "Sum",
     "SyncBatchNorm",
-    "add_process_set",
-    "allgather",
-    "allgather_async",
     "allgather_object",
-    "allreduce",
-    "allreduce_",
-    "allreduce_async",
-    "allreduce_async_",
-    "alltoall",
-    "alltoall_async",
-    "barrier",
-    "broadcast",
-    "broadcast_",
-    "broadcast_async",
-    "broadcast_async_",
     "broadcast_object",
     "broadcast_optimizer_state",
     "broadcast_parameters",
-    "ccl_built",
     "convert_sync_batchnorm",
-    "cross_rank",
-    "cross_size",
-    "cuda_built",
-    "ddl_built",
     "elastic",
-    "global_process_set",
-    "gloo_built",
-    "gloo_enabled",
-    "grouped_allgather",
-    "grouped_allgather_async",
-    "grouped_allreduce",
-    "grouped_allreduce_",
-    "grouped_allreduce_async",
-    "grouped_allreduce_async_",
-    "grouped_reducescatter",
-    "grouped_reducescatter_async",
-    "init",
-    "is_initialized",
-    "join",
-    "local_rank",
-    "local_size",
-    "mpi_built",
-    "mpi_enabled",
-    "mpi_threads_supported",
-    "nccl_built",
-    "oob_allreduce",
-    "poll",
-    "rank",
-    "reducescatter",
-    "reducescatter_async",
-    "remove_process_set",
-    "rocm_built",
-    "shutdown",
-    "size",
-    "sparse_allreduce_async",
-    "start_timeline",
-    "stop_timeline",
-    "synchronize",
+    "mpi_ops",
 ]

@@ -68,7 +68,7 @@ _BOOL_OPS = {shoal.Sum: shoal.Max, shoal.Product: shoal.Min}  # c10d's bool sema
 _SCATTER_OPS = {shoal.Sum, shoal.Average, shoal.Min, shoal.Max, shoal.Product}
 _RS = c10d.ReduceScatterOptions()  # c10d's defaults, never modified here
 _Tensors = list[torch.Tensor]
-_registered = False
+_registered: set[str] = set()
 class ShoalProcessGroup(dist.ProcessGroup):
     """A c10d process group: its own shoal communicator, built from the store torch gave."""
 
@@ -613,13 +613,13 @@ def _create(opts: Any, backend_options: Any = None) -> ShoalProcessGroup:
     return pg
 
 
-def register() -> None:
-    """Make ``"shoal"`` a ``torch.distributed`` backend name (safe to call again)."""
-    global _registered
-    if _registered:
+def register(name: str = BACKEND) -> None:
+    """Make ``name`` (``"shoal"``; the import switch adds SMDDP's ``"smddp"``) a
+    ``torch.distributed`` backend name for shoal's process group (safe to call again)."""
+    if name in _registered:
         return
-    if BACKEND.upper() not in getattr(dist.Backend, "_plugins", {}):  # else: torch's hook
-        dist.Backend.register_backend(BACKEND, _create, extended_api=True,
+    if name.upper() not in getattr(dist.Backend, "_plugins", {}):  # else: torch's hook
+        dist.Backend.register_backend(name, _create, extended_api=True,
                                       devices=["cpu", "cuda"])
-    admit_monitored_barrier(BACKEND)
-    _registered = True
+    admit_monitored_barrier(name)
+    _registered.add(name)

@@ -78,10 +78,14 @@ def monitored_barrier(comm: Communicator, round_: int, timeout: Any,
         comm.send(token, r, _MONITOR_TAG).wait(secs)
 
 
+_ADMITTED: set[str] = set()
+
+
 def admit_monitored_barrier(backend: str) -> None:
     """``dist.monitored_barrier`` refuses every backend but gloo by name before it calls the
-    group's ``monitored_barrier``; let it through for groups of backend "shoal" (others go
-    to torch's function unchanged)."""
+    group's ``monitored_barrier``; let it through for groups of backend ``backend`` ("shoal",
+    or an alias of it; others go to torch's function unchanged)."""
+    _ADMITTED.add(backend)
     c10d_module = dist.distributed_c10d
     original = c10d_module.monitored_barrier
     if getattr(original, "_shoal", False):
@@ -90,7 +94,7 @@ def admit_monitored_barrier(backend: str) -> None:
     @functools.wraps(original)
     def monitored_barrier(group: Any = None, timeout: Any = None,
                           wait_all_ranks: bool = False) -> Any:
-        if dist.get_backend(group) != backend:
+        if dist.get_backend(group) not in _ADMITTED:
             return original(group, timeout, wait_all_ranks)
         pg = c10d_module._get_default_group() if group is None else group
         if c10d_module._rank_not_in_group(pg):

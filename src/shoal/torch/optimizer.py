@@ -86,6 +86,27 @@ class Wrapper(torch.optim.Optimizer):
         self._state_of.state = value
 
 
+_CLASSES: dict[tuple[type, type], type] = {}
+
+
+def _distributed_class(cls: type, base: type) -> type:
+    """The subclass of ``cls`` (a DistributedOptimizer class) and optimizer class ``base``,
+    made once per pair by an ordinary ``class`` statement, so it can itself be subclassed.
+    ``cls`` comes first: its methods (``step``, ``zero_grad``, the shared ``param_groups``)
+    win over ``base``'s, whose ``__init__`` is never called."""
+    if issubclass(cls, base):
+        return cls
+    made = _CLASSES.get((cls, base))
+    if made is None:
+        class Distributed(cls, base):  # type: ignore[valid-type,misc]
+            __doc__ = f"{base.__name__} whose gradients are averaged over all shoal ranks."
+
+        Distributed.__name__ = Distributed.__qualname__ = base.__name__
+        Distributed.__module__ = __name__
+        made = _CLASSES[cls, base] = Distributed
+    return made
+
+
 class DistributedOptimizer(Wrapper):
     """Wrap ``optimizer`` so that ``step()`` uses gradients averaged over all ranks.
 
@@ -104,10 +125,15 @@ class DistributedOptimizer(Wrapper):
                 num_groups: int = 0, groups: Any = None, sparse_as_dense: bool = False,
                 process_set: Any = None, bucket_bytes: int | None = None,
                 sharded: bool = False) -> Any:
-        """``sharded=True``: a :class:`~shoal.torch.sharded.ShardedOptimizer` (ZeRO stages
-        1 and 2: each rank keeps and steps 1/N of the optimizer state)."""
+        """An instance of a subclass of both this class and ``type(optimizer)`` (as Horovod's
+        is: ``isinstance(hvd.DistributedOptimizer(SGD(...)), SGD)``); ``sharded=True``: a
+        :class:`~shoal.torch.sharded.ShardedOptimizer` (ZeRO stages 1 and 2: each rank keeps
+        and steps 1/N of the optimizer state)."""
+        if isinstance(optimizer, Wrapper):
+            raise TypeError(f"the optimizer is wrapped already ({optimizer!r}); wrap the plain "
+                            f"optimizer once")
         if not sharded:
-            return super().__new__(cls)
+            return super().__new__(_distributed_class(cls, type(optimizer)))
         unsupported = [what for what, bad in (
             ("compression", compression is not Compression.none),
             ("backward_passes_per_step", backward_passes_per_step != 1),
@@ -241,6 +267,17 @@ class DistributedOptimizer(Wrapper):
                                f"again before step(); call optimizer.step() (or "
                                f"synchronize()) between backward passes, or raise "
                                f"backward_passes_per_step")
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Reduce after every ``passes`` backward passes from now on (Horovod's method; call
+        it between steps, on every rank)."""
+        if passes < 1:
+            raise ValueError("backward_passes_per_step must be >= 1")
+        if self._buckets is not None and self._buckets.in_flight:
+            raise RuntimeError("set_backward_passes_per_step() called with gradients in flight; "
+                               "call step() or synchronize() first")
+        self._passes = self.backward_passes_per_step = passes
+        self._counts.clear()
 
     def synchronize(self) -> None:
         """Wait for every gradient's reduction (parameters backward gave no gradient are

@@ -42,16 +42,18 @@ def select(comm: Communicator, requested: str) -> str:
 
     auto: one host -> ``shm`` (memory traffic only); several hosts with the same number of
     ranks each -> ``hierarchical`` (each host's link carries 2(M-1)/M of the data, M hosts);
-    otherwise, or without shared memory -> ``ring``.
+    otherwise, or without shared memory -> ``ring``. flat: the same, never ``hierarchical``
+    (horovodrun's ``--no-hierarchical-allreduce``).
     """
-    if requested == "auto":
+    if requested in ("auto", "flat"):
         for name in ("shm", "hierarchical", "ring"):
-            if applicable(comm, name) is None:
+            if applicable(comm, name) is None and not (requested == "flat" and
+                                                       name == "hierarchical"):
                 return name
         raise ConfigError("no allreduce algorithm applies to this topology")  # pragma: no cover
     if requested not in ALGORITHMS:
         raise ConfigError(f"SHOAL_ALLREDUCE_ALGORITHM={requested!r} is not one of "
-                          f"{['auto', *sorted(ALGORITHMS)]}")
+                          f"{['auto', 'flat', *sorted(ALGORITHMS)]}")
     why = applicable(comm, requested)
     if why:
         raise ConfigError(f"SHOAL_ALLREDUCE_ALGORITHM={requested!r} cannot run here: {why}")

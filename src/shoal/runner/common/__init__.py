@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import sys
 
-from ..core.errors import ShoalError
+from shoal.core.errors import ShoalError
 
 __all__ = ["ExitCode", "LaunchError", "err"]
 

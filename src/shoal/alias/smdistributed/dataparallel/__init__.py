@@ -1,0 +1,1 @@
+"""``smdistributed.dataparallel`` under the import switch."""

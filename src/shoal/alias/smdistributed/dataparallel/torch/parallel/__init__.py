@@ -1,0 +1,1 @@
+"""``smdistributed.dataparallel.torch.parallel`` under the import switch."""

@@ -1,0 +1,3 @@
+"""``horovod.runner.util``: thread helpers (:mod:`.threads`)."""
+
+__all__ = ["threads"]
