@@ -2,8 +2,8 @@
 
 The build queries say what shoal can do, never what makes a test run: ``gloo_built()`` is True
 (shoal plays gloo's part: collectives and rendezvous without MPI), ``mpi_built()``, DDL and
-oneCCL are False, and ``nccl_built()`` is True only where the torch adapter's device path can
-use NCCL (torch with CUDA and NCCL).
+oneCCL are False, and ``nccl_built()`` is NCCL's version code (as Horovod's) only where the
+torch adapter's device path can use NCCL (torch with CUDA and NCCL), else 0.
 """
 
 from __future__ import annotations
@@ -65,12 +65,12 @@ def gloo_built(verbose: bool = False) -> bool:
     return build_info.gloo_built()
 
 
-def nccl_built(verbose: bool = False) -> bool:
-    """True where torch with CUDA and NCCL is installed: the torch adapter's device path then
-    reduces within a host over NCCL."""
+def nccl_built(verbose: bool = False) -> int:
+    """NCCL's version code where torch with CUDA and NCCL is installed (the torch adapter's
+    device path then reduces within a host over NCCL), else 0."""
     if not extension_available("torch"):
-        return False
-    return bool(importlib.import_module("shoal.torch").nccl_built())
+        return 0
+    return int(importlib.import_module("shoal.torch").nccl_built())
 
 
 def ddl_built(verbose: bool = False) -> bool:

@@ -66,11 +66,15 @@ def cuda_built() -> bool:
     return torch.cuda.is_available()
 
 
-def nccl_built() -> bool:
-    """Whether the device path can reduce within a host over torch's NCCL: torch has CUDA and
-    NCCL."""
-    return bool(torch.cuda.is_available() and torch.distributed.is_available()
-                and torch.distributed.is_nccl_available())
+def nccl_built() -> int:
+    """NCCL's version code (Horovod's encoding: 22105 for 2.21.5; falsy 0 without NCCL) where
+    the device path can reduce within a host over torch's NCCL: torch has CUDA and NCCL."""
+    if not (torch.cuda.is_available() and torch.distributed.is_available()
+            and torch.distributed.is_nccl_available()):
+        return 0
+    major, minor, patch = torch.cuda.nccl.version()[:3]
+    return major * 10000 + minor * 100 + patch if (major, minor) >= (2, 9) else \
+        major * 1000 + minor * 100 + patch
 
 
 _basics = HorovodBasics(init, cuda_built, nccl_built)
