@@ -170,6 +170,37 @@ def test_smddp_version_one_api(tmp_path: Path) -> None:
     assert [r["local"] for r in rows] == [[0, 2], [1, 2]]
 
 
+SMDDP_TF = """
+import json, sys
+import numpy as np
+import tensorflow as tf
+import smdistributed.dataparallel.tensorflow as sdp
+import smdistributed.dataparallel.tensorflow.keras as sdp_keras
+from smdistributed.dataparallel.tensorflow.keras import callbacks as sdp_callbacks
+sdp.init()
+tf.keras.utils.set_random_seed(sdp.rank())  # different until the broadcast
+model = tf.keras.Sequential([tf.keras.Input((4,)), tf.keras.layers.Dense(1)])
+opt = sdp_keras.DistributedOptimizer(tf.keras.optimizers.SGD(0.1),
+                                     compression=sdp.Compression.fp16)
+model.compile(optimizer=opt, loss="mse")
+x = np.random.default_rng(sdp.rank()).normal(size=(8, 4)).astype("float32")
+model.fit(x, x.sum(1, keepdims=True), batch_size=4, epochs=1, verbose=0,
+          callbacks=[sdp_callbacks.BroadcastGlobalVariablesCallback(0)])
+mean = float(sdp.oob_allreduce(tf.constant(sdp.rank() + 1.0)))
+sys.stdout.write(json.dumps({"rank": sdp.rank(), "size": sdp.size(), "mean": mean,
+                             "weights": [w.tolist() for w in model.get_weights()]}) + "\\n")
+"""
+
+
+def test_the_smddp_tensorflow_api_runs_unchanged(tmp_path: Path) -> None:
+    pytest.importorskip("tensorflow")
+    script = tmp_path / "train_tf.py"
+    script.write_text(SMDDP_TF)
+    rows = _rows(_shoalrun("smddp", script))
+    assert [(r["rank"], r["size"], r["mean"]) for r in rows] == [(0, 2, 1.5), (1, 2, 1.5)]
+    assert rows[0]["weights"] == rows[1]["weights"]  # broadcast, then the same updates
+
+
 def test_without_the_switch_nothing_is_aliased(tmp_path: Path) -> None:
     script = tmp_path / "train_hvd.py"
     script.write_text(HOROVOD)
