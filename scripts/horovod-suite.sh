@@ -15,7 +15,7 @@ FILES=("$@")
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PY="$ROOT/.venv/bin/python"
 HVD=$(cd "$HVD" && pwd)
-"$PY" -m pip install --quiet --disable-pip-version-check cloudpickle mock packaging
+"$PY" -m pip install --quiet --disable-pip-version-check cloudpickle mock packaging parameterized
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 cd "$HVD/test/parallel"

@@ -157,3 +157,19 @@ def single_threaded_tf() -> Any:
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(1)
     return tf
+
+
+def keras_for(flavor: str) -> tuple[Any, Any, Any]:
+    """In a rank, before TensorFlow is first imported: TensorFlow, the Keras module and
+    shoal's Keras API for ``flavor``: ``"keras3"`` (``import keras``, ``shoal.keras``) or
+    ``"keras2"`` (``tf_keras`` through ``TF_USE_LEGACY_KERAS=1``, ``shoal.tensorflow.keras``)."""
+    if flavor == "keras2":
+        os.environ["TF_USE_LEGACY_KERAS"] = "1"
+    tf = single_threaded_tf()
+    if flavor == "keras2":
+        import shoal.tensorflow.keras as hvd2
+        return tf, tf.keras, hvd2
+    import keras
+
+    import shoal.keras as hvd3
+    return tf, keras, hvd3

@@ -12,21 +12,16 @@ import sys
 import numpy as np
 import pytest
 
-from harness import run_ranks
+from harness import keras_for, run_ranks
 
 needs_keras = pytest.mark.skipif(
     importlib.util.find_spec("tensorflow") is None or importlib.util.find_spec("keras") is None,
     reason="tensorflow/keras are not installed")
+#: Keras 3, and Keras 2 through tf_keras (TF_USE_LEGACY_KERAS=1)
+FLAVORS = ["keras3", pytest.param("keras2", marks=pytest.mark.skipif(
+    importlib.util.find_spec("tf_keras") is None, reason="tf_keras is not installed"))]
 
 B, STEPS, LR = 4, 3, 0.1  # per-rank batch, batches per epoch, learning rate
-
-
-def _keras():
-    import tensorflow as tf
-    tf.config.threading.set_intra_op_parallelism_threads(1)
-    tf.config.threading.set_inter_op_parallelism_threads(1)
-    import keras
-    return keras
 
 
 def _model(keras, seed: int):
@@ -60,8 +55,7 @@ class _Recorder:
                 self.lrs: list[float] = []
 
             def on_train_batch_begin(self, batch, logs=None):
-                self.lrs.append(float(keras.ops.convert_to_numpy(
-                    self.model.optimizer.learning_rate)))
+                self.lrs.append(float(np.asarray(self.model.optimizer.learning_rate)))
         return Recorder()
 
 
@@ -103,19 +97,80 @@ def _fit_matches_one_process(keras, hvd, rank: int, passes: int, epochs: int = 2
     # one grouped allreduce of the 4 gradients per update: N batches communicate once
     grads = [s for s in submitted if s and s.startswith("DistributedSGD.")]
     assert len(grads) == 4 * epochs * STEPS // passes, submitted
-    ref = _model(keras, seed=0)
-    lr = LR if average or passes == 1 else LR * passes
-    ref.compile(optimizer=keras.optimizers.SGD(lr, momentum=0.9, gradient_accumulation_steps=(
-        passes if passes > 1 else None)), loss="mse")
-    gx, gy = _global(n)
-    ref_history = ref.fit(gx, gy, batch_size=n * B, epochs=epochs, shuffle=False, verbose=0)
-    for mine, theirs in zip(model.get_weights(), ref.get_weights(), strict=True):
+    want_weights, want_loss = _reference(keras, n, passes, average, epochs)
+    for mine, theirs in zip(model.get_weights(), want_weights, strict=True):
         np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-6)
     # MetricAverageCallback: the logged loss is the average over ranks, which with equal
     # batches is the single process's loss on the global batches
-    np.testing.assert_allclose(history.history["loss"], ref_history.history["loss"],
-                               rtol=1e-5)
+    np.testing.assert_allclose(history.history["loss"], want_loss, rtol=1e-5)
     return {"weights": model.get_weights(), "loss": history.history["loss"]}
+
+
+def _reference(keras, n: int, passes: int, average: bool | None, epochs: int
+               ) -> tuple[list[np.ndarray], list[float]]:
+    """One process on the global batches, by hand: the gradients of ``passes`` batches are
+    summed (Horovod's default) or averaged, then applied once; each epoch's loss is the mean
+    of its batches' losses before their updates, as Keras logs it."""
+    import tensorflow as tf
+    ref = _model(keras, seed=0)
+    opt = keras.optimizers.SGD(LR, momentum=0.9)
+    gx, gy = _global(n)
+    acc, count, losses = None, 0, []
+    for _ in range(epochs):
+        batch_losses = []
+        for k in range(STEPS):
+            rows = slice(k * n * B, (k + 1) * n * B)
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(ref(gx[rows]) - gy[rows]))
+            grads = tape.gradient(loss, ref.trainable_variables)
+            batch_losses.append(float(loss))
+            acc = grads if acc is None else [a + g for a, g in zip(acc, grads, strict=True)]
+            count += 1
+            if count % passes == 0:
+                scale = 1.0 / passes if average else 1.0
+                opt.apply_gradients(zip([a * scale for a in acc], ref.trainable_variables,
+                                        strict=True))
+                acc = None
+        losses.append(float(np.mean(batch_losses)))
+    return ref.get_weights(), losses
+
+
+def _loss_scaled(keras, hvd, rank: int) -> dict:
+    """mixed_float16 with a LossScaleOptimizer around the distributed one: rank 1's first
+    batch overflows, so every rank skips that step and halves its scale, together."""
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        model = _model(keras, seed=rank)
+        inner = hvd.DistributedOptimizer(keras.optimizers.SGD(LR))
+        scaler = getattr(keras.optimizers, "LossScaleOptimizer", None) or \
+            keras.mixed_precision.LossScaleOptimizer
+        opt = scaler(inner, initial_scale=8.0) if hasattr(keras, "ops") else \
+            scaler(inner, dynamic=True, initial_scale=8.0)
+        model.compile(optimizer=opt, loss="mse")
+        x, y = _shard(rank)
+        if rank == 1:
+            x[:B] = 1e30  # inf in float16: this rank's gradients of batch 1 overflow
+        model.fit(x, y, batch_size=B, epochs=1, shuffle=False, verbose=0,
+                  callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+        scale = getattr(opt, "dynamic_scale", None)
+        scale = opt.loss_scale if scale is None else scale
+        return {"scale": float(np.asarray(scale)), "weights": model.get_weights()}
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+def _tape(keras, rank: int) -> dict:
+    """DistributedGradientTape on the Keras module's model: the gradients averaged."""
+    import tensorflow as tf
+
+    import shoal.tensorflow as sdp
+    model = _model(keras, seed=0)
+    x, y = _shard(rank)
+    with tf.GradientTape(persistent=True) as tape:
+        loss = tf.reduce_mean(tf.square(model(x) - y))
+    local = tape.gradient(loss, model.trainable_variables)
+    reduced = sdp.DistributedGradientTape(tape).gradient(loss, model.trainable_variables)
+    return {"local": [g.numpy() for g in local], "reduced": [g.numpy() for g in reduced]}
 
 
 def _lr_schedule(keras, hvd) -> list[float]:
@@ -152,10 +207,9 @@ def _late_broadcast(keras, hvd, rank: int) -> list[np.ndarray]:
     return model.get_weights()
 
 
-def _walkthrough(rank: int, checkpoint_dir: str) -> float:
+def _walkthrough(keras, rank: int, checkpoint_dir: str) -> float:
     """The SMDDP walkthrough's Keras snippets, as written."""
     import tensorflow as tf
-    keras = _keras()
 
     import shoal.tensorflow as sdp
     sdp.init()
@@ -183,24 +237,26 @@ def _walkthrough(rank: int, checkpoint_dir: str) -> float:
     return loss, model.get_weights()
 
 
-def _everything(rank: int, checkpoint_dir: str) -> dict:
-    keras = _keras()
-    import shoal.keras as hvd
+def _everything(rank: int, checkpoint_dir: str, flavor: str) -> dict:
+    _, keras, hvd = keras_for(flavor)
     import shoal.tensorflow.keras as tfk
-    assert tfk.DistributedOptimizer.__wrapped__ is hvd.DistributedOptimizer.__wrapped__
-    assert tfk.callbacks.MetricAverageCallback is hvd.callbacks.MetricAverageCallback
+    if flavor == "keras3":  # one implementation on both import paths
+        assert tfk.DistributedOptimizer.__wrapped__ is hvd.DistributedOptimizer.__wrapped__
+        assert tfk.callbacks.MetricAverageCallback is hvd.callbacks.MetricAverageCallback
     out = {"fit": _fit_matches_one_process(keras, hvd, rank, passes=1),
            "fit2": _fit_matches_one_process(keras, tfk, rank, passes=2),
            "fit2avg": _fit_matches_one_process(keras, hvd, rank, passes=2, average=True),
-           "lrs": _lr_schedule(keras, hvd), "late": _late_broadcast(keras, hvd, rank)}
-    out["walkthrough"] = _walkthrough(rank, checkpoint_dir)
+           "lrs": _lr_schedule(keras, hvd), "late": _late_broadcast(keras, hvd, rank),
+           "amp": _loss_scaled(keras, hvd, rank), "tape": _tape(keras, rank)}
+    out["walkthrough"] = _walkthrough(keras, rank, checkpoint_dir)
     return out
 
 
 @needs_keras
-def test_keras_two_ranks(tmp_path) -> None:
-    results = run_ranks(_everything, 2, str(tmp_path), timeout=100)
-    for key in ("fit", "fit2"):  # every rank ends with the same weights and logged loss
+@pytest.mark.parametrize("flavor", FLAVORS)
+def test_keras_two_ranks(tmp_path, flavor: str) -> None:
+    results = run_ranks(_everything, 2, str(tmp_path), flavor, timeout=150)
+    for key in ("fit", "fit2", "fit2avg"):  # every rank ends with the same weights and loss
         for a, b in zip(results[0][key]["weights"], results[1][key]["weights"], strict=True):
             np.testing.assert_array_equal(a, b)
         assert results[0][key]["loss"] == results[1][key]["loss"]
@@ -208,6 +264,16 @@ def test_keras_two_ranks(tmp_path) -> None:
     assert results[0]["lrs"] == results[1]["lrs"]
     for a, b in zip(results[0]["late"], results[1]["late"], strict=True):
         np.testing.assert_array_equal(a, b)
+    amp = [r["amp"] for r in results]
+    assert amp[0]["scale"] == amp[1]["scale"] == 4.0  # one skipped step, on both ranks
+    for a, b in zip(amp[0]["weights"], amp[1]["weights"], strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert any(np.any(w != 0) for w in amp[0]["weights"][1::2])  # the other steps applied
+    tapes = [r["tape"] for r in results]
+    for g0, g1, l0, l1 in zip(tapes[0]["reduced"], tapes[1]["reduced"], tapes[0]["local"],
+                              tapes[1]["local"], strict=True):
+        np.testing.assert_array_equal(g0, g1)
+        np.testing.assert_allclose(g0, (l0 + l1) / 2, rtol=1e-6, atol=1e-7)
     (loss0, w0), (loss1, w1) = results[0]["walkthrough"], results[1]["walkthrough"]
     assert loss0 == loss1
     for a, b in zip(w0, w1, strict=True):

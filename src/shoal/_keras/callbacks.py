@@ -18,6 +18,7 @@ import numpy as np
 import shoal
 from shoal.core.ops import ReduceOp
 
+from .compat import bind_callbacks, build_optimizer, optimizer_built, optimizer_variables, to_numpy
 from .values import broadcast_variables
 
 __all__ = [
@@ -57,10 +58,10 @@ class BroadcastGlobalVariablesCallbackImpl(_Bound):
     def _broadcast(self) -> None:
         variables = list(self.model.variables)
         optimizer = getattr(self.model, "optimizer", None)
-        if optimizer is not None and optimizer.built:
+        if optimizer is not None and optimizer_built(optimizer):
             local = {id(v) for v in getattr(optimizer, "_accumulated_gradients", None) or ()
                      if v is not None and self.broadcast_late}
-            variables += [v for v in optimizer.variables if id(v) not in local]
+            variables += [v for v in optimizer_variables(optimizer) if id(v) not in local]
         broadcast_variables(self.keras, variables, self.root_rank, name="keras.bcast")
         self.broadcast_done = True
 
@@ -69,8 +70,8 @@ class BroadcastGlobalVariablesCallbackImpl(_Bound):
         if self.broadcast_done or self.broadcast_late:
             return
         optimizer = getattr(self.model, "optimizer", None)
-        if optimizer is not None and not optimizer.built:
-            optimizer.build(self.model.trainable_variables)
+        if optimizer is not None and not optimizer_built(optimizer):
+            build_optimizer(optimizer, self.model.trainable_variables)
         self._broadcast()
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
@@ -91,7 +92,7 @@ class MetricAverageCallbackImpl(_Bound):
         values = {}
         for key, value in logs.items():
             try:
-                array = np.asarray(self.keras.ops.convert_to_numpy(value))
+                array = to_numpy(self.keras, value)
             except (TypeError, ValueError):  # not a number: left as it is
                 continue
             if array.size == 1 and array.dtype.kind in "fiub":
@@ -131,7 +132,7 @@ class LearningRateScheduleCallbackImpl(_Bound):
         self._restore_momentum: Any = None
 
     def _lr(self) -> float:
-        return float(self.keras.ops.convert_to_numpy(self.model.optimizer.learning_rate))
+        return float(to_numpy(self.keras, self.model.optimizer.learning_rate))
 
     def _adjust_learning_rate(self, epoch: float) -> None:
         optimizer = self.model.optimizer
@@ -139,8 +140,8 @@ class LearningRateScheduleCallbackImpl(_Bound):
         new_lr = self.initial_lr * self.multiplier(epoch)
         optimizer.learning_rate = new_lr
         momentum = getattr(optimizer, "momentum", None)
-        if self.momentum_correction and isinstance(momentum, self.keras.Variable) and old_lr:
-            self._restore_momentum = self.keras.ops.convert_to_numpy(momentum)
+        if self.momentum_correction and hasattr(momentum, "assign") and old_lr:
+            self._restore_momentum = to_numpy(self.keras, momentum)
             momentum.assign(self._restore_momentum * new_lr / old_lr)
 
     def on_train_begin(self, logs: dict | None = None) -> None:
@@ -206,30 +207,6 @@ _MADE: dict[type, dict[str, type]] = {}
 
 def make_callbacks(keras: ModuleType) -> dict[str, type]:
     """The public callback classes for ``keras`` (made once per ``Callback`` base class)."""
-    base = keras.callbacks.Callback
-    made = _MADE.get(base)
-    if made is not None:
-        return made
-
-    class BroadcastGlobalVariablesCallback(BroadcastGlobalVariablesCallbackImpl, base):
-        __doc__ = BroadcastGlobalVariablesCallbackImpl.__doc__
-
-    class MetricAverageCallback(MetricAverageCallbackImpl, base):
-        __doc__ = MetricAverageCallbackImpl.__doc__
-
-    class LearningRateScheduleCallback(LearningRateScheduleCallbackImpl, base):
-        __doc__ = LearningRateScheduleCallbackImpl.__doc__
-
-    class LearningRateWarmupCallback(LearningRateWarmupCallbackImpl,
-                                     LearningRateScheduleCallback):
-        __doc__ = LearningRateWarmupCallbackImpl.__doc__
-
-    made = {}
-    for cls in (BroadcastGlobalVariablesCallback, MetricAverageCallback,
-                LearningRateScheduleCallback, LearningRateWarmupCallback):
-        cls.__qualname__ = cls.__name__
-        cls.keras = keras
-        made[cls.__name__] = cls
-    _MADE[base] = made
-    return made
-
+    return bind_callbacks(keras, (BroadcastGlobalVariablesCallbackImpl,
+                                  MetricAverageCallbackImpl, LearningRateScheduleCallbackImpl,
+                                  LearningRateWarmupCallbackImpl), _MADE)

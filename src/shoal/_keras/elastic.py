@@ -20,6 +20,7 @@ recognised by the state of the communicator it broke.
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -33,9 +34,10 @@ from shoal.core.elastic import (
     run_fn,
 )
 
-__all__ = ["CommitStateCallback", "HostsUpdatedInterrupt", "KerasState", "ObjectState",
-           "State", "TensorFlowKerasState", "UpdateBatchStateCallback",
-           "UpdateEpochStateCallback", "run"]
+from .compat import bind_callbacks, build_optimizer, optimizer_built, optimizer_variables
+
+__all__ = ["HostsUpdatedInterrupt", "KerasState", "ObjectState", "State",
+           "TensorFlowKerasState", "install", "make_elastic_callbacks", "run"]
 
 
 def _bcast(obj: Any) -> Any:
@@ -63,9 +65,9 @@ class KerasState(ObjectState):
 
     def _variables(self) -> list[Any]:
         opt = self.optimizer
-        if opt is not None and not getattr(opt, "built", True):
-            opt.build(self.model.trainable_variables)
-        return [*self.model.variables, *(opt.variables if opt is not None else [])]
+        if opt is not None and not optimizer_built(opt):
+            build_optimizer(opt, self.model.trainable_variables)
+        return [*self.model.variables, *(optimizer_variables(opt) if opt is not None else [])]
 
     def save(self) -> None:
         """Copy every variable's value and the attributes."""
@@ -95,12 +97,7 @@ class KerasState(ObjectState):
 TensorFlowKerasState = KerasState
 
 
-def _callback_base() -> type:
-    import keras
-    return keras.callbacks.Callback
-
-
-class CommitStateCallback(_callback_base()):  # type: ignore[misc]
+class CommitStateCallbackImpl:
     """Commit the state every ``batches_per_commit`` batches."""
 
     def __init__(self, state: State, batches_per_commit: int = 1) -> None:
@@ -115,8 +112,7 @@ class CommitStateCallback(_callback_base()):  # type: ignore[misc]
             self._left = self.batches_per_commit
 
 
-
-class UpdateBatchStateCallback(_callback_base()):  # type: ignore[misc]
+class UpdateBatchStateCallbackImpl:
     """Keep ``state.batch`` at the last batch done (0 after each epoch)."""
 
     def __init__(self, state: State) -> None:
@@ -130,7 +126,7 @@ class UpdateBatchStateCallback(_callback_base()):  # type: ignore[misc]
         self.state.batch = 0
 
 
-class UpdateEpochStateCallback(_callback_base()):  # type: ignore[misc]
+class UpdateEpochStateCallbackImpl:
     """Count finished epochs in ``state.epoch`` and commit (so ``fit(epochs=total -
     state.epoch)`` resumes after the last finished epoch)."""
 
@@ -142,3 +138,23 @@ class UpdateEpochStateCallback(_callback_base()):  # type: ignore[misc]
         self.state.epoch += 1
         self.state.batch = 0
         self.state.commit()
+
+
+_MADE: dict[type, dict[str, type]] = {}
+
+
+def make_elastic_callbacks(keras: ModuleType) -> dict[str, type]:
+    """The elastic callback classes for ``keras`` (made once per ``Callback`` base)."""
+    return bind_callbacks(keras, (CommitStateCallbackImpl, UpdateBatchStateCallbackImpl,
+                                  UpdateEpochStateCallbackImpl), _MADE)
+
+
+def install(keras: ModuleType, namespace: dict[str, Any]) -> list[str]:
+    """Fill an import path's ``elastic`` module for ``keras``: the state classes, ``run``,
+    and the callbacks bound to that Keras; returns the names, for its ``__all__``."""
+    names = {"HostsUpdatedInterrupt": HostsUpdatedInterrupt, "KerasState": KerasState,
+             "ObjectState": ObjectState, "State": State,
+             "TensorFlowKerasState": TensorFlowKerasState, "run": run,
+             **make_elastic_callbacks(keras)}
+    namespace.update(names)
+    return sorted(names)

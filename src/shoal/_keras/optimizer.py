@@ -29,8 +29,12 @@ from typing import Any
 from shoal.core.compression import Codec, Compression
 from shoal.core.ops import ReduceOp
 
+from .compat import is_keras2, loss_scale_class, optimizer_built
+from .keras2 import Keras2Mixin, LocalGradientAggregation
+
 __all__ = [
     "DistributedOptimizerMixin",
+    "Keras3Mixin",
     "Reduction",
     "create_distributed_optimizer",
     "distributed_class",
@@ -66,7 +70,8 @@ class Reduction:
 
 
 class DistributedOptimizerMixin:
-    """Averages the gradients of every update across ranks (see the module docstring).
+    """What every shoal distributed optimizer is: its gradients are averaged across ranks
+    once per update, by the Keras 3 half below or by :class:`.keras2.Keras2Mixin`.
 
     An instance made by ``from_config`` (a reloaded model) averages without compression.
     While ``_shoal_reduced`` is set (by :mod:`.split`, which reduced the gradients already,
@@ -75,6 +80,11 @@ class DistributedOptimizerMixin:
 
     _shoal_reduction: Reduction | None = None
     _shoal_reduced: bool = False
+
+
+class Keras3Mixin(DistributedOptimizerMixin):
+    """The Keras 3 half: the reduction in ``_clip_gradients`` (see the module docstring)."""
+
     _shoal_variables: Any = None
 
     def apply(self, grads: Any, trainable_variables: Any = None) -> Any:
@@ -101,13 +111,21 @@ _CLASSES: dict[type, type] = {}
 
 
 def distributed_class(base: type) -> type:
-    """The distributed subclass of optimizer class ``base`` (one per class, cached)."""
+    """The distributed subclass of optimizer class ``base`` (one per class, cached), with
+    the half for ``base``'s Keras: Keras 2's optimizers aggregate gradients across replicas
+    in ``aggregate_gradients`` (``_aggregate_gradients``: ``optimizers.legacy``)."""
     cls = _CLASSES.get(base)
     if cls is None:
-        class Distributed(DistributedOptimizerMixin, base):  # type: ignore[valid-type,misc]
+        keras2 = hasattr(base, "aggregate_gradients") or hasattr(base, "_aggregate_gradients")
+        half = Keras2Mixin if keras2 else Keras3Mixin
+
+        class Distributed(half, DistributedOptimizerMixin, base):  # type: ignore[valid-type,misc]
             __doc__ = f"{base.__name__} whose gradients are averaged over all shoal ranks."
 
-        Distributed.__name__ = Distributed.__qualname__ = f"Distributed{base.__name__}"
+        # Keras 2 has an Adam and a legacy Adam: saved models name their class, so the
+        # distributed ones must differ too
+        legacy = "Legacy" if ".legacy." in base.__module__ else ""
+        Distributed.__name__ = Distributed.__qualname__ = f"Distributed{legacy}{base.__name__}"
         Distributed.__module__ = __name__
         cls = _CLASSES[base] = Distributed
     return cls
@@ -124,12 +142,13 @@ def create_distributed_optimizer(keras: ModuleType, optimizer: Any, name: str | 
                                  num_groups: int = 0, groups: Any = None,
                                  process_set: Any = None,
                                  scale_local_gradients: bool = True) -> Any:
-    """Wrap a Keras 3 optimizer so that its updates use gradients averaged over the process set
-    (all ranks by default).
+    """Wrap a Keras optimizer (Keras 3, or Keras 2's and its ``optimizers.legacy`` ones) so
+    that its updates use gradients averaged over the process set (all ranks by default).
 
     ``name`` prefixes the collectives' names: give each distributed optimizer of a process its
     own when several update in the same step. ``backward_passes_per_step=N`` accumulates N
-    batches locally (Keras's ``gradient_accumulation_steps``) and communicates once; the update
+    batches locally (Keras 3's ``gradient_accumulation_steps``; Keras 2:
+    :class:`.keras2.LocalGradientAggregation`) and communicates once; the update
     then uses the sum of the N batches' gradients, as Horovod's does, or their mean with
     ``average_aggregated_gradients=True``. ``groups`` (a number, or lists of variables reduced
     together) and ``num_groups`` split the reduction into several grouped allreduces;
@@ -139,10 +158,13 @@ def create_distributed_optimizer(keras: ModuleType, optimizer: Any, name: str | 
     ``jit_compile=True`` or a loss-scale optimizer around it, ``model.fit`` splits its step
     (:mod:`.split`).
     """
-    if not isinstance(optimizer, keras.optimizers.Optimizer):
+    keras2 = is_keras2(keras)
+    bases = (keras.optimizers.Optimizer, *((keras.optimizers.legacy.Optimizer,)
+                                           if keras2 else ()))
+    if not isinstance(optimizer, bases):
         raise TypeError(f"DistributedOptimizer wraps a keras.optimizers.Optimizer, not "
                         f"{type(optimizer).__name__}")
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+    if isinstance(optimizer, loss_scale_class(keras)):
         raise TypeError("wrap the inner optimizer instead: "
                         "LossScaleOptimizer(DistributedOptimizer(optimizer)); a loss-scale "
                         "optimizer delegates its updates and would bypass the reduction")
@@ -150,14 +172,15 @@ def create_distributed_optimizer(keras: ModuleType, optimizer: Any, name: str | 
         raise NotImplementedError(f"shoal's Keras DistributedOptimizer needs the TensorFlow "
                                   f"backend (KERAS_BACKEND=tensorflow), not "
                                   f"{keras.backend.backend()!r}")
-    if not callable(getattr(keras.optimizers.Optimizer, "_clip_gradients", None)):
+    if not keras2 and not callable(getattr(keras.optimizers.Optimizer, "_clip_gradients",
+                                           None)):
         raise NotImplementedError(f"Keras {keras.__version__} has no Optimizer._clip_gradients, "
                                   f"where shoal reduces gradients; use Keras 3.0 to 3.15")
     if backward_passes_per_step < 1:
         raise ValueError("backward_passes_per_step must be >= 1")
     if num_groups and groups is not None:
         raise ValueError("pass either num_groups or groups, not both")
-    if optimizer.built:
+    if optimizer_built(optimizer):
         raise ValueError("wrap the optimizer in DistributedOptimizer before it is built (before "
                          "model.fit or optimizer.apply): its state would be lost")
     op = ReduceOp(op)
@@ -167,7 +190,7 @@ def create_distributed_optimizer(keras: ModuleType, optimizer: Any, name: str | 
         from shoal.core.process_sets import communicator_for
         communicator_for(process_set)  # registered, and this rank is a member
     config = optimizer.get_config()
-    if backward_passes_per_step > 1:
+    if backward_passes_per_step > 1 and not keras2:
         if config.get("gradient_accumulation_steps"):
             raise ValueError("pass either backward_passes_per_step or the optimizer's "
                              "gradient_accumulation_steps, not both")
@@ -177,7 +200,11 @@ def create_distributed_optimizer(keras: ModuleType, optimizer: Any, name: str | 
         name or f"Distributed{type(optimizer).__name__}", compression, op,
         gradient_predivide_factor, sparse_as_dense,
         groups if groups is not None else num_groups, process_set,
-        sum_aggregated=backward_passes_per_step > 1 and not average_aggregated_gradients)
+        sum_aggregated=backward_passes_per_step > 1 and not average_aggregated_gradients
+        and not keras2)
+    if keras2 and backward_passes_per_step > 1:
+        wrapped._agg_helper = LocalGradientAggregation(backward_passes_per_step,
+                                                       average_aggregated_gradients)
     from .split import install
     install(keras)
     return wrapped
@@ -189,8 +216,9 @@ def load_model(keras: ModuleType, filepath: str, custom_optimizers: list[type] |
     """Load a model saved with a ``DistributedOptimizer``; its optimizer (state included)
     comes back distributed, with ``compression``. ``custom_optimizers`` lists the model's
     optimizer class when it is not one of Keras's own."""
-    bases = [c for c in vars(keras.optimizers).values() if isinstance(c, type) and
-             issubclass(c, keras.optimizers.Optimizer)] + list(custom_optimizers or [])
+    modules = [keras.optimizers, *([keras.optimizers.legacy] if is_keras2(keras) else [])]
+    bases = [c for m in modules for c in vars(m).values() if isinstance(c, type) and
+             issubclass(c, m.Optimizer)] + list(custom_optimizers or [])
     objects = {distributed_class(c).__name__: distributed_class(c) for c in bases}
     model = keras.models.load_model(filepath, custom_objects={**objects,
                                                               **(custom_objects or {})})

@@ -1,7 +1,7 @@
 """Keras-level collectives on values (arrays, tensors, variables of any Keras backend).
 
 Horovod's ``hvd.keras.allreduce(value)`` and friends evaluate eagerly and return numpy
-arrays; here each value is read with ``keras.ops.convert_to_numpy`` and handed to the core.
+arrays; here each value is read as numpy (:func:`.compat.to_numpy`) and handed to the core.
 """
 
 from __future__ import annotations
@@ -16,11 +16,13 @@ import shoal
 from shoal.core.compression import Codec, Compression
 from shoal.core.ops import ReduceOp
 
+from .compat import to_numpy
+
 __all__ = ["allgather", "allreduce", "broadcast", "broadcast_variables"]
 
 
 def _array(keras: ModuleType, value: Any) -> np.ndarray:
-    array = np.asarray(keras.ops.convert_to_numpy(value))
+    array = to_numpy(keras, value)
     return array if array.flags.c_contiguous else array.copy()  # keeps 0-d arrays 0-d
 
 

@@ -1,19 +1,9 @@
 """``shoal.keras.elastic``: Horovod's ``horovod.tensorflow.keras.elastic`` (``run``,
-``KerasState``, the commit / batch-state / epoch-state callbacks); see
+``KerasState``, the commit / batch-state / epoch-state callbacks) for ``import keras``; see
 :mod:`shoal._keras.elastic`."""
 
-from shoal._keras.elastic import (
-    CommitStateCallback,
-    HostsUpdatedInterrupt,
-    KerasState,
-    ObjectState,
-    State,
-    TensorFlowKerasState,
-    UpdateBatchStateCallback,
-    UpdateEpochStateCallback,
-    run,
-)
+import keras
 
-__all__ = ["CommitStateCallback", "HostsUpdatedInterrupt", "KerasState", "ObjectState",
-           "State", "TensorFlowKerasState", "UpdateBatchStateCallback",
-           "UpdateEpochStateCallback", "run"]
+from shoal._keras.elastic import install
+
+__all__ = install(keras, globals())

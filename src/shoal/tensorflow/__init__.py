@@ -40,7 +40,7 @@ from .mpi_ops import *  # noqa: F403 - Horovod's layout: the basic API and colle
 from .tape import DistributedGradientTape, PartialDistributedGradientTape
 from .util import _executing_eagerly  # noqa: F401 - Horovod's scripts call hvd._executing_eagerly
 
-_LAZY = {"keras": (".keras", None), "xla": (".xla", None),
+_LAZY = {"keras": (".keras", None), "xla": (".xla", None), "elastic": (".elastic", None),
          "SyncBatchNormalization": (".sync_batch_norm", "SyncBatchNormalization")}
 
 

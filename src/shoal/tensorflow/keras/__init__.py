@@ -8,6 +8,6 @@ import tensorflow as tf
 
 from shoal._keras import install
 
-from . import callbacks
+from . import callbacks, elastic
 
-__all__ = [*install(tf.keras, globals()), "callbacks"]
+__all__ = [*install(tf.keras, globals()), "callbacks", "elastic"]
