@@ -161,15 +161,13 @@ def single_threaded_tf() -> Any:
 
 def keras_for(flavor: str) -> tuple[Any, Any, Any]:
     """In a rank, before TensorFlow is first imported: TensorFlow, the Keras module and
-    shoal's Keras API for ``flavor``: ``"keras3"`` (``import keras``, ``shoal.keras``) or
-    ``"keras2"`` (``tf_keras`` through ``TF_USE_LEGACY_KERAS=1``, ``shoal.tensorflow.keras``)."""
+    ``shoal.keras`` for ``flavor``: ``"keras3"`` (``import keras``) or ``"keras2"``
+    (``tf_keras``, which ``tf.keras`` and ``shoal.keras`` are under ``TF_USE_LEGACY_KERAS=1``)."""
     if flavor == "keras2":
         os.environ["TF_USE_LEGACY_KERAS"] = "1"
     tf = single_threaded_tf()
+    import shoal.keras as hvd
     if flavor == "keras2":
-        import shoal.tensorflow.keras as hvd2
-        return tf, tf.keras, hvd2
+        return tf, tf.keras, hvd
     import keras
-
-    import shoal.keras as hvd3
-    return tf, keras, hvd3
+    return tf, keras, hvd

@@ -240,9 +240,9 @@ def _walkthrough(keras, rank: int, checkpoint_dir: str) -> float:
 def _everything(rank: int, checkpoint_dir: str, flavor: str) -> dict:
     _, keras, hvd = keras_for(flavor)
     import shoal.tensorflow.keras as tfk
-    if flavor == "keras3":  # one implementation on both import paths
-        assert tfk.DistributedOptimizer.__wrapped__ is hvd.DistributedOptimizer.__wrapped__
-        assert tfk.callbacks.MetricAverageCallback is hvd.callbacks.MetricAverageCallback
+    # one implementation on both import paths, bound to the same Keras
+    assert tfk.DistributedOptimizer.__wrapped__ is hvd.DistributedOptimizer.__wrapped__
+    assert tfk.callbacks.MetricAverageCallback is hvd.callbacks.MetricAverageCallback
     out = {"fit": _fit_matches_one_process(keras, hvd, rank, passes=1),
            "fit2": _fit_matches_one_process(keras, tfk, rank, passes=2),
            "fit2avg": _fit_matches_one_process(keras, hvd, rank, passes=2, average=True),

@@ -11,8 +11,21 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["bind_callbacks", "build_optimizer", "is_keras2", "loss_scale_class", "optimizer_built",
-           "optimizer_variables", "to_numpy"]
+__all__ = ["bind_callbacks", "build_optimizer", "is_keras2", "keras_module",
+           "loss_scale_class", "optimizer_built", "optimizer_variables", "to_numpy"]
+
+
+def keras_module() -> ModuleType:
+    """The Keras that ``shoal.keras`` serves: Keras 2 (``tf_keras``) where
+    ``TF_USE_LEGACY_KERAS`` asks for it, as TensorFlow's ``tf.keras`` does, else ``keras``."""
+    import importlib
+    import os
+    if os.environ.get("TF_USE_LEGACY_KERAS", "").strip().lower() in ("1", "true", "yes"):
+        try:
+            return importlib.import_module("tf_keras")
+        except ModuleNotFoundError:
+            pass  # TensorFlow falls back the same way
+    return importlib.import_module("keras")
 
 
 def is_keras2(keras: ModuleType) -> bool:

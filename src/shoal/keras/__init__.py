@@ -1,4 +1,5 @@
-"""shoal for Keras 3: ``import shoal.keras as hvd``.
+"""shoal for Keras: ``import shoal.keras as hvd`` (Keras 3's ``import keras``, or Keras 2's
+``tf_keras`` under ``TF_USE_LEGACY_KERAS=1``, as TensorFlow picks).
 
 Horovod's Keras API: ``DistributedOptimizer(optimizer, compression=..., op=...,
 backward_passes_per_step=...)``, ``callbacks.BroadcastGlobalVariablesCallback``,
@@ -10,14 +11,15 @@ on values (numpy results), ``broadcast_variables``, ``broadcast_object``, ``init
 
 from __future__ import annotations
 
+from shoal._keras import install
+from shoal._keras.compat import keras_module
+
 try:
-    import keras
+    keras = keras_module()
 except ModuleNotFoundError as exc:  # pragma: no cover - depends on the environment
     raise ModuleNotFoundError("shoal.keras needs Keras 3 with TensorFlow: "
                               "pip install 'shoal[tensorflow]' (or 'shoal[tensorflow-cpu]' "
                               "on machines without GPUs)") from exc
-
-from shoal._keras import install
 
 from . import callbacks, elastic
 
