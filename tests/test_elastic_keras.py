@@ -1,9 +1,11 @@
 """Elastic training with Keras's ``model.fit`` and Horovod's elastic callbacks, through
-``shoalrun``'s elastic mode: a worker killed with SIGKILL mid-epoch, the others restore the
-last commit and finish the epochs with identical weights."""
+``shoalrun``'s elastic mode, on Keras 3 and on Keras 2 (``TF_USE_LEGACY_KERAS=1``): a worker
+killed with SIGKILL mid-epoch, the others restore the last commit and finish the epochs with
+identical weights."""
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -21,7 +23,7 @@ import numpy as np
 import tensorflow as tf
 tf.config.threading.set_inter_op_parallelism_threads(1)
 tf.config.threading.set_intra_op_parallelism_threads(1)
-import keras
+keras = tf.keras  # Keras 3, or Keras 2 under TF_USE_LEGACY_KERAS=1; shoal.keras follows it
 import shoal.keras as hvd
 
 hvd.init()
@@ -60,7 +62,10 @@ print("final", hvd.rank(), hvd.size(), hashlib.sha256(w.tobytes()).hexdigest(), 
 """
 
 
-def test_keras_fit_survives_a_killed_worker(tmp_path: Path) -> None:
+@pytest.mark.parametrize("legacy", [False, pytest.param(True, marks=pytest.mark.skipif(
+    importlib.util.find_spec("tf_keras") is None, reason="tf_keras is not installed"))],
+    ids=["keras3", "keras2"])
+def test_keras_fit_survives_a_killed_worker(tmp_path: Path, legacy: bool) -> None:
     import subprocess
     _discovery(tmp_path, "localhost:3\n")
     script = tmp_path / "fit.py"
@@ -68,7 +73,8 @@ def test_keras_fit_survives_a_killed_worker(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "shoal.runner", "-np", "3", "--min-np", "2",
                            "--host-discovery-script", str(tmp_path / "discover.sh"),
                            sys.executable, str(script)], capture_output=True, text=True,
-                          timeout=300, env={**_env(), "KILL_ID": "localhost:1"}, cwd=ROOT)
+                          timeout=300, cwd=ROOT, env={**_env(), "KILL_ID": "localhost:1",
+                                                      "TF_USE_LEGACY_KERAS": str(int(legacy))})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "worker localhost:1 failed (signal 9)" in proc.stderr
     finals = _finals(proc.stdout)

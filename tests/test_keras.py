@@ -60,23 +60,25 @@ class _Recorder:
 
 
 def _fit_matches_one_process(keras, hvd, rank: int, passes: int, epochs: int = 2,
-                             average: bool | None = None) -> dict:
+                             average: bool | None = None, legacy: bool = False) -> dict:
     """2 ranks x batch B through model.fit == 1 process x batch 2B (weights, averaged loss).
     With ``passes`` > 1 the update uses the sum of the passes' gradients (Horovod's default),
     which for SGD is the mean at ``passes`` times the rate; ``average=True``: the mean."""
     n = hvd.size()
     model = _model(keras, seed=rank)  # different until BroadcastGlobalVariablesCallback
-    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(LR, momentum=0.9),
+    sgd = keras.optimizers.legacy.SGD(lr=LR, momentum=0.9) if legacy else \
+        keras.optimizers.SGD(LR, momentum=0.9)  # Keras 2's legacy ones, Horovod-era lr=
+    opt = hvd.DistributedOptimizer(sgd,
                                    backward_passes_per_step=passes,
                                    **({} if average is None else
                                       {"average_aggregated_gradients": average}))
-    assert isinstance(opt, keras.optimizers.SGD)
+    assert isinstance(opt, type(sgd))
 
     class Custom(type(opt)):  # the distributed class is an ordinary, subclassable class
         def _clip_gradients(self, grads):
             return super()._clip_gradients(grads)
 
-    assert isinstance(Custom.from_config(opt.get_config()), keras.optimizers.SGD)
+    assert isinstance(Custom.from_config(opt.get_config()), type(sgd))
     model.compile(optimizer=opt, loss="mse")
     x, y = _shard(rank)
     from shoal.core.collectives import Collectives
@@ -248,6 +250,8 @@ def _everything(rank: int, checkpoint_dir: str, flavor: str) -> dict:
            "fit2avg": _fit_matches_one_process(keras, hvd, rank, passes=2, average=True),
            "lrs": _lr_schedule(keras, hvd), "late": _late_broadcast(keras, hvd, rank),
            "amp": _loss_scaled(keras, hvd, rank), "tape": _tape(keras, rank)}
+    if flavor == "keras2":
+        out["fit2legacy"] = _fit_matches_one_process(keras, hvd, rank, passes=2, legacy=True)
     out["walkthrough"] = _walkthrough(keras, rank, checkpoint_dir)
     return out
 
@@ -256,7 +260,8 @@ def _everything(rank: int, checkpoint_dir: str, flavor: str) -> dict:
 @pytest.mark.parametrize("flavor", FLAVORS)
 def test_keras_two_ranks(tmp_path, flavor: str) -> None:
     results = run_ranks(_everything, 2, str(tmp_path), flavor, timeout=150)
-    for key in ("fit", "fit2", "fit2avg"):  # every rank ends with the same weights and loss
+    keys = ["fit", "fit2", "fit2avg", *(["fit2legacy"] if flavor == "keras2" else [])]
+    for key in keys:  # every rank ends with the same weights and loss
         for a, b in zip(results[0][key]["weights"], results[1][key]["weights"], strict=True):
             np.testing.assert_array_equal(a, b)
         assert results[0][key]["loss"] == results[1][key]["loss"]
