@@ -286,3 +286,36 @@ def test_signal_to_shoalrun_stops_the_job(tmp_path: Path, sig: signal.Signals) -
     assert proc.returncode == 128 + sig, err
     assert f"shoalrun: received {sig.name}; stopped the job (2 running workers)" in err
     _assert_gone(_recorded_pids(tmp_path))
+
+
+CHECKPOINTING = """
+import os, pathlib, signal, sys, time
+d = pathlib.Path(sys.argv[1])
+rank = os.environ["SHOAL_RANK"]
+def stop(signum, frame):  # a scheduler's SIGTERM: write a checkpoint, slower than --kill-grace
+    time.sleep(float(sys.argv[2]))
+    (d / f"ckpt-{rank}").write_text("done")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
+(d / f"ready-{rank}").write_text("")
+time.sleep(60)
+"""
+
+
+def test_sigterm_to_shoalrun_leaves_time_to_checkpoint(tmp_path: Path) -> None:
+    """--stop-grace (30 s), not --kill-grace (5 s), when shoalrun itself is told to stop."""
+    proc = subprocess.Popen(_cmd("-np", "2", "--kill-grace", "0.5", sys.executable, "-c",
+                                 CHECKPOINTING, str(tmp_path), "2"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_env(), cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 30
+        while len(list(tmp_path.glob("ready-*"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, err
+    assert "received SIGTERM; stopped the job (2 running workers, every one exited 0)" in err
+    assert sorted(p.name for p in tmp_path.glob("ckpt-*")) == ["ckpt-0", "ckpt-1"]

@@ -190,7 +190,7 @@ def launch(specs: Sequence[WorkerSpec], command: Sequence[str], *,
            network_interface: str | None = None, output_dir: str | Path | None = None,
            environ: Mapping[str, str] | None = None,
            host_env: Mapping[str, Mapping[str, str]] | None = None,
-           timestamps: bool = False) -> int:
+           timestamps: bool = False, stop_grace: float = 30.0) -> int:
     """Run one job: start the store, the workers, wait; the job's exit code.
 
     ``remote`` starts the workers of hosts that are not this machine (default: ssh);
@@ -238,7 +238,7 @@ def launch(specs: Sequence[WorkerSpec], command: Sequence[str], *,
             specs, list(command), runner_of=lambda s: local if s.local else remote,
             env_of=lambda s: worker_env(s, job, bases[s.local]), cwd=os.getcwd(),
             job_id=job_id, kill_grace=kill_grace, start_timeout_s=start_timeout_s,
-            watch=watch, output_dir=out_dir, timestamps=timestamps))
+            watch=watch, output_dir=out_dir, timestamps=timestamps, stop_grace=stop_grace))
     finally:
         if watch is not None:
             watch.close()
@@ -342,8 +342,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             hosts = parse_hostfile(args.hostfile)
         if args.np is None:
             raise LaunchError("-np N is required (the number of workers)")
-        if args.kill_grace < 0:
-            raise LaunchError("--kill-grace must be >= 0")
+        if args.kill_grace < 0 or args.stop_grace < 0:
+            raise LaunchError("--kill-grace and --stop-grace must be >= 0")
         specs = plan(args.np, hosts, emulate_hosts=args.emulate_hosts, local_names=names)
         forward = parse_forward(args.forward, env)
         remote = make_runner(args.host_runner, python=args.remote_python,
@@ -355,7 +355,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                       verbose=args.verbose, settings=settings, remote=remote,
                       network_interface=args.network_interface,
                       output_dir=args.output_filename, environ=env, host_env=host_env,
-                      timestamps=args.prefix_timestamp)
+                      timestamps=args.prefix_timestamp, stop_grace=args.stop_grace)
     except (LaunchError, ConfigError) as exc:
         err(f"error: {exc}")
         return ExitCode.USAGE

@@ -270,8 +270,12 @@ OPTIONS: tuple[Option, ...] = (
          to_knob=_import_switch, metavar="KIND[,KIND]"),
     _opt("-cb --check-build", "check_build", "print what this installation supports, then exit",
          parse=None),
-    _opt("--kill-grace", "kill_grace", "seconds from SIGTERM to SIGKILL when stopping workers",
-         parse=float, env="SHOAL_KILL_GRACE_S", default=5.0, metavar="S", advanced=True),
+    _opt("--kill-grace", "kill_grace", "seconds from SIGTERM to SIGKILL when stopping workers "
+         "after a failure", parse=float, env="SHOAL_KILL_GRACE_S", default=5.0, metavar="S",
+         advanced=True),
+    _opt("--stop-grace", "stop_grace", "seconds from SIGTERM to SIGKILL when shoalrun itself "
+         "is told to stop (SIGTERM): time for the workers to checkpoint", parse=float,
+         env="SHOAL_STOP_GRACE_S", default=30.0, metavar="S", advanced=True),
     _opt("--host-runner", "host_runner", "how remote hosts are reached: ssh, or netns (host "
          "names are network namespaces of this machine; for tests)", env="SHOAL_HOST_RUNNER",
          default="ssh", metavar="NAME", advanced=True),

@@ -65,6 +65,7 @@ class Launch:
     cwd: str
     job_id: str
     kill_grace: float = 5.0
+    stop_grace: float = 30.0  # after a SIGTERM to shoalrun: time for workers to checkpoint
     start_timeout_s: float = 120.0
     watch: RendezvousWatch | None = None
     output_dir: Path | None = None
@@ -304,7 +305,11 @@ def supervise(job: Launch) -> int:
         if failed is None and not caught and not late:
             _finish(workers)
             return ExitCode.OK
-        _stop_all(workers, job.kill_grace, hurry=lambda: len(caught) > 1)
+        # a job told to stop (a scheduler's SIGTERM) gets time to checkpoint; a failed one
+        # is stopped fast
+        stopping = bool(caught) and caught[0] == signal.SIGTERM and failed is None
+        _stop_all(workers, max(job.kill_grace, job.stop_grace) if stopping else job.kill_grace,
+                  hurry=lambda: len(caught) > 1)
         _clean_remote(workers, job.job_id)
         if failed is not None:
             code = failed.proc.returncode
@@ -320,7 +325,9 @@ def supervise(job: Launch) -> int:
                 f"the rendezvous address); stopped the job ({running} running worker{plural})")
             return ExitCode.START_TIMEOUT
         sig = signal.Signals(caught[0])
-        err(f"received {sig.name}; stopped the job ({running} running worker{plural})")
+        clean = all(w.proc.returncode == 0 for w in workers)
+        err(f"received {sig.name}; stopped the job ({running} running worker{plural}"
+            + (", every one exited 0" if clean and running else "") + ")")
         return 128 + sig.value
     except BaseException:  # a bug of ours: never leave workers behind
         _stop_all(workers, 0.0)
