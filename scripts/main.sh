@@ -15,6 +15,6 @@ exec .venv/bin/shoalrun -np "${NP:-2}" .venv/bin/python -m apps.efficientnet.mai
   --image_size 32 --max_epochs 12 --train_batch_size 32 --eval_batch_size 64 \
   --optimizer rmsprop --lr_init 0.002 --lr_warmup_epochs 2 --lr_decay cosine \
   --batch_norm syncbn --bn_momentum 0.9 --augmenter_name none --crop_min_scale 0.5 \
-  --random_flip false --num_workers 1 --log_steps 0 --save_checkpoint_freq 0 \
+  --random_flip false --num_workers 1 --log_steps 0 --save_checkpoint_freq 0 --resume none \
   --model_dir results/efficientnet-digits \
   "$@"

@@ -365,7 +365,7 @@ def _resume(rank: int, model_dir: str) -> tuple[str, str, str, str]:
     for step in range(2):
         train_step(tr, [_batch(10 * step + rank)])
     tr.epoch = 1
-    save(tr, model_dir)
+    save(tr)
     saved = _state_digest(tr)
     train_step(tr, [_batch(99 + rank)])
     straight = _state_digest(tr), _digest(tr.ema.module.state_dict().values())
@@ -385,7 +385,7 @@ def test_resume_continues_identically(tmp_path):
     for saved, restored, straight, resumed in results:
         assert saved == restored and straight == resumed
     assert results[0] == results[1]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]  # no temp files
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-000000002.pt"]  # no temps
 
 
 def _whole_run(rank: int, model_dir: str) -> dict:
@@ -405,4 +405,4 @@ def test_whole_run_logs_and_checkpoints(tmp_path):
     assert units["avg_exp_per_second_training"] == "samples/s"
     steps = [x["step"] for x in lines if x["type"] == "LOG"]
     assert steps[0] == "PARAMETER" and [1, 1] in steps and steps[-1] == "SUMMARY"
-    assert (tmp_path / "checkpoint.pt").is_file()
+    assert (tmp_path / "ckpt-000000002.pt").is_file()

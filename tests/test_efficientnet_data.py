@@ -28,6 +28,7 @@ from apps.efficientnet.dataloader import index as index_mod  # noqa: E402
 from apps.efficientnet.dataloader.datasets import stream_position  # noqa: E402
 from apps.efficientnet.dataloader.index import Team, assign, record_counts  # noqa: E402
 from apps.efficientnet.dataloader.tfrecord import count_records  # noqa: E402
+from apps.efficientnet.runtime.checkpoint import load_checkpoint  # noqa: E402
 from harness import run_ranks  # noqa: E402
 
 
@@ -229,7 +230,7 @@ def _tensors(obj: object) -> list[torch.Tensor]:
 
 
 def _weights(model_dir: Path) -> list[torch.Tensor]:
-    state = torch.load(model_dir / "checkpoint.pt", weights_only=False)
+    state = load_checkpoint(model_dir)
     return _tensors([state["model"], state["ema"], state["optimizer"]])
 
 
@@ -247,7 +248,7 @@ def test_interrupted_and_resumed_equals_uninterrupted(tmp_path):
     a, b = _weights(straight), _weights(cut)
     assert len(a) > 20 and len(a) == len(b)
     assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
-    state = torch.load(cut / "checkpoint.pt", weights_only=False)
+    state = load_checkpoint(cut)
     assert state["data"]["batches"] == 9 and state["epoch"] == 3
 
 
@@ -269,11 +270,11 @@ def _eval(rank: int, model_dir: str, *extra: str) -> object:
 def test_eval_needs_a_checkpoint(tmp_path):
     got = run_ranks(_eval, 2, str(tmp_path), timeout=60)
     assert got[0] == got[1] and "--mode eval needs a trained model" in got[0]
-    assert "--eval_untrained" in got[0] and "--resume_checkpoint" in got[0]
+    assert "--eval_untrained" in got[0] and "--resume PATH" in got[0]
     assert run_ranks(_eval, 2, str(tmp_path), "--eval_untrained",
                      timeout=60) == ["none: untrained"] * 2
     assert run_ranks(_synthetic_train, 1, str(tmp_path), timeout=60) == [None]
-    found = str(tmp_path / "checkpoint.pt")
+    found = str(tmp_path / "ckpt-000000001.pt")
     assert run_ranks(_eval, 2, str(tmp_path), timeout=60) == [found, found]
 
 

@@ -267,7 +267,7 @@ def test_recipe_flags_shape_the_run(tmp_path: Path) -> None:
     assert len(windows) == 6 and all(w["examples_per_second"] > 0 for w in windows)
     params = next(x["data"] for x in lines if x.get("step") == "PARAMETER")
     assert params["grad_accum_steps"] == 2 and params["dtype"] == "bf16"
-    assert not (tmp_path / "checkpoint.pt").exists()  # --noenable_checkpoint_and_export
+    assert not list(tmp_path.glob("ckpt-*.pt"))  # --noenable_checkpoint_and_export
     assert s0["eval_accuracy_top_1"] == s1["eval_accuracy_top_1"]
 
 
@@ -279,7 +279,8 @@ def _resume_run(rank: int, model_dir: str, epochs: int) -> tuple[int, int]:
     run(parse_args([*TINY, "--max_epochs", str(epochs), "--steps_per_epoch", "2",
                     "--save_checkpoint_freq", "1", "--model_dir", model_dir,
                     "--resume_checkpoint"], environ={}))
-    ckpt = torch.load(Path(model_dir) / "checkpoint.pt", weights_only=False)
+    from apps.efficientnet.runtime.checkpoint import load_checkpoint
+    ckpt = load_checkpoint(model_dir)
     return ckpt["epoch"], ckpt["step"]
 
 

@@ -21,6 +21,7 @@ import os
 import sys
 import warnings
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 from apps.efficientnet.config import recipe
 from apps.efficientnet.config.variants import SMALL_CNN, VARIANTS
@@ -201,15 +202,28 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("output")
     a = g.add_argument
     a("--model_dir", default="results/efficientnet")
+    a("--checkpoint_dir", default=None, metavar="DIR",
+      help="where checkpoints go and --resume auto looks (default: --model_dir; under "
+           "SageMaker /opt/ml/checkpoints when it exists, the directory checkpoint_s3_uri "
+           "syncs)")
+    a("--resume", default="auto", metavar="auto|none|PATH",
+      help="auto (default): continue from the newest intact checkpoint in --checkpoint_dir "
+           "(a damaged newest falls back to the one before it; none there: a fresh start); "
+           "none: a fresh start; PATH: that checkpoint file or directory. Training "
+           "continues exactly where it stopped, the data stream too; --mode eval scores it")
     a("--resume_checkpoint", nargs="?", const=recipe.RESUME_FROM_MODEL_DIR,
       type=recipe.resume_value, default=None, metavar="PATH",
-      help="checkpoint file or directory; bare (the recipe's on/off flag): --model_dir's "
-           "checkpoint when there is one, else a fresh start. Training continues exactly "
-           "where it stopped (the data stream too); --mode eval scores it (default: "
-           "--model_dir's checkpoint)")
+      help="the recipe's spelling of --resume: bare (or true) is --resume auto, PATH is "
+           "--resume PATH, false is --resume none")
     a("--eval_untrained", action="store_true",
       help="let --mode eval score a freshly initialised model when there is no checkpoint")
     a("--save_checkpoint_freq", type=int, default=5, help="epochs (0: only at the end)")
+    a("--save_checkpoint_steps", type=int, default=0,
+      help="also a checkpoint every N optimizer steps (0: none between epochs)")
+    a("--keep_checkpoints", type=int, default=3, help="the newest K checkpoints are kept")
+    a("--stop_grace_s", type=float, default=30.0,
+      help="on SIGTERM every rank stops at the next step boundary and rank 0 checkpoints; "
+           "a worker that cannot within this many seconds exits without one")
     flag(g, "--enable_checkpoint_and_export", default=True,
          help="write checkpoints (off: none at all)")
     flag(g, "--time_history", default=True,
@@ -275,5 +289,18 @@ def parse_args(argv: Sequence[str] | None = None,
                  "num_epochs_between_eval"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1")
+    if args.keep_checkpoints < 1:
+        parser.error("--keep_checkpoints must be at least 1")
+    args.checkpoint_dir = args.checkpoint_dir or sagemaker_checkpoints(environ) or \
+        args.model_dir
     recipe.settle(args)
     return args
+
+
+def sagemaker_checkpoints(environ: Mapping[str, str]) -> str | None:
+    """Under SageMaker, its checkpoint directory (``/opt/ml/checkpoints``, which
+    ``checkpoint_s3_uri`` syncs, and spot training restores) when it exists."""
+    if not (environ.get("SM_MODEL_DIR") or environ.get("SM_TRAINING_ENV")):
+        return None
+    where = Path(environ.get("SAGEMAKER_BASE_DIR", "/opt/ml")) / "checkpoints"
+    return str(where) if where.is_dir() else None

@@ -102,14 +102,14 @@ class UnsupportedFlagError(ValueError):
         self.flag = flag
 
 
-def resume_value(text: str) -> str | None:
+def resume_value(text: str) -> str:
     """``--resume_checkpoint VALUE``: a path, or the recipe's on/off (``""``, ``true``/
-    ``false``)."""
+    ``false``, which are ``--resume auto`` and ``--resume none``)."""
     value = text.strip().lower()
     if value in ("", "true", "1", "yes", "on"):
         return RESUME_FROM_MODEL_DIR
     if value in ("false", "0", "no", "off", "none"):
-        return None
+        return "none"
     return text
 
 
@@ -165,9 +165,13 @@ def settle(args: argparse.Namespace) -> None:
     ``--resume_checkpoint``, and list the ignored flags in ``args.ignored`` (one line each,
     for the job's log)."""
     _refusals(args)
-    args.resume_optional = args.resume_checkpoint == RESUME_FROM_MODEL_DIR
-    if args.resume_optional:
-        args.resume_checkpoint = args.model_dir
+    if args.resume_checkpoint is not None:  # the recipe's spelling of --resume
+        args.resume = "auto" if args.resume_checkpoint == RESUME_FROM_MODEL_DIR else \
+            args.resume_checkpoint
+    # what the Keras application reads: auto looks in the checkpoint directory
+    args.resume_optional = args.resume == "auto"
+    args.resume_checkpoint = None if args.resume == "none" else \
+        args.checkpoint_dir if args.resume == "auto" else args.resume
     args.ignored = []
     for name, (_, _, why) in IGNORED.items():
         if not why or not _given(args, name):

@@ -268,6 +268,8 @@ def make_loader(dataset: IterableDataset, batch_size: int, num_workers: int,
     """A DataLoader over ``dataset`` (workers forked, two batches prefetched per worker)."""
     kw: dict[str, Any] = {}
     if num_workers > 0:
-        kw.update(prefetch_factor=2, multiprocessing_context="fork")
+        from apps.efficientnet.runtime.preempt import ignore_sigterm
+        kw.update(prefetch_factor=2, multiprocessing_context="fork",
+                  worker_init_fn=ignore_sigterm)  # SIGTERM is the training process's
     return DataLoader(dataset, batch_size=batch_size, num_workers=num_workers,
                       drop_last=drop_last, pin_memory=pin_memory, **kw)

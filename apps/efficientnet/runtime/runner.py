@@ -3,8 +3,12 @@
 Every rank runs the same number of steps per epoch (the training stream repeats forever),
 logs statistics averaged over all ranks with ``hvd.oob_allreduce`` every ``--log_steps`` steps
 and at the end of each epoch, evaluates after each epoch in ``train_and_eval``, and saves a
-checkpoint every ``--save_checkpoint_freq`` epochs and at the end (rank 0 writes it). Rank 0
-shows a progress bar (on a terminal), prints the metrics, and appends them to
+checkpoint every ``--save_checkpoint_freq`` epochs, every ``--save_checkpoint_steps`` steps
+and at the end (rank 0 writes it into ``--checkpoint_dir``, keeping ``--keep_checkpoints``).
+``--resume auto`` (the default) continues from the newest intact one; a run that finished
+says so and trains no more. On SIGTERM every rank stops after the same step, rank 0
+checkpoints, and the run ends normally (:mod:`.preempt`); the same command then continues
+it. Rank 0 shows a progress bar (on a terminal), prints the metrics, and appends them to
 ``<model_dir>/<log_filename>`` as JSON lines; a ``SUMMARY`` line closes the run.
 """
 
@@ -13,7 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +26,7 @@ import torch
 from apps.efficientnet.config.flags import LR_BATCH_BASE
 from apps.efficientnet.dataloader import Preprocess, build_dataset, make_loader
 from apps.efficientnet.dataloader.index import Team
-from apps.efficientnet.runtime.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
+from apps.efficientnet.runtime.checkpoint import CheckpointDir, load_checkpoint
 from apps.efficientnet.runtime.distributed import (
     Dist,
     average,
@@ -30,6 +34,7 @@ from apps.efficientnet.runtime.distributed import (
     shutdown_distributed,
 )
 from apps.efficientnet.runtime.metrics import MetricLogger, latency_percentiles, progress_bar
+from apps.efficientnet.runtime.preempt import StopRequest
 from apps.efficientnet.runtime.trainer import (
     LATENCY_NAMES,
     Trainer,
@@ -73,21 +78,28 @@ def build_datasets(args: argparse.Namespace, dist: Dist) -> tuple[Any, Any]:
 
 
 def train_epoch(tr: Trainer, batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
-                logger: MetricLogger, warmup_steps: int = 1) -> dict[str, float]:
-    """``tr.steps_per_epoch`` steps; the epoch's statistics averaged over the ranks (the
-    first ``warmup_steps`` are left out of throughput and latency)."""
+                logger: MetricLogger, warmup_steps: int = 1,
+                stop: StopRequest | None = None) -> dict[str, float]:
+    """The rest of the epoch's ``tr.steps_per_epoch`` steps (all of them, unless a resumed
+    checkpoint was taken inside it); its statistics averaged over the ranks (the first
+    ``warmup_steps`` are left out of throughput and latency). Checkpoints every
+    ``--save_checkpoint_steps`` steps; returns early when ``stop`` says every rank stops."""
     args, dist = tr.args, tr.dist
     window = [0.0, 0.0, 0.0, 0.0, 0.0]  # loss * count, top-1, top-5, count, seconds
     total = [0.0, 0.0, 0.0, 0.0]
     times: list[float] = []
+    first = tr.step - tr.epoch * tr.steps_per_epoch  # > 0: resumed inside this epoch
     bar = progress_bar(tr.steps_per_epoch, f"epoch {tr.epoch + 1}/{args.max_epochs}",
                        dist.is_root)
+    bar.update(first)
     lr = 0.0
-    for i in range(tr.steps_per_epoch):
+    for i in range(first, tr.steps_per_epoch):
+        if stop is not None and stop(tr.step):
+            break
         t0 = time.perf_counter()
         s = train_step(tr, [next(batches) for _ in range(args.grad_accum_steps)])
         took = time.perf_counter() - t0
-        if i >= warmup_steps:
+        if i - first >= warmup_steps:
             times.append(took)
         lr = s.lr
         window[4] += took
@@ -108,65 +120,61 @@ def train_epoch(tr: Trainer, batches: Iterator[tuple[torch.Tensor, torch.Tensor]
                 record["examples_per_second"] = w[3] * dist.size / max(w[4], 1e-9)
             logger.log((tr.epoch + 1, tr.step), record)
             window = [0.0, 0.0, 0.0, 0.0, 0.0]
+        every = args.save_checkpoint_steps
+        if every and tr.step % every == 0 and i + 1 < tr.steps_per_epoch and \
+                args.enable_checkpoint_and_export and args.mode != "training_benchmark":
+            save(tr)
     bar.close()
     per_worker = len(times) * tr.global_batch / dist.size / max(sum(times), 1e-9)
     lat = latency_percentiles(times, "training")
     names = LATENCY_NAMES["training"]
     avg = average(total + [per_worker] + [lat.get(k, 0.0) for k in names],
                   name=f"efficientnet.epoch.{tr.step}")
-    stats = {"training_loss": avg[0] / avg[3], "training_accuracy_top_1": 100 * avg[1] / avg[3],
-             "training_accuracy_top_5": 100 * avg[2] / avg[3],
+    seen = max(avg[3], 1e-12)  # a stop before the epoch's first step saw nothing
+    stats = {"training_loss": avg[0] / seen, "training_accuracy_top_1": 100 * avg[1] / seen,
+             "training_accuracy_top_5": 100 * avg[2] / seen,
              "avg_exp_per_second_training": avg[4] * dist.size,
              "avg_exp_per_second_training_per_worker": avg[4], "learning_rate": lr}
     stats.update(zip(names, avg[5:], strict=True))
     return stats
 
 
-def save(tr: Trainer, model_dir: str | os.PathLike[str]) -> Path | None:
-    """Checkpoint ``tr`` into ``model_dir`` (every rank calls; rank 0 writes)."""
+def save(tr: Trainer) -> Path | None:
+    """Checkpoint ``tr`` into ``--checkpoint_dir`` (every rank calls; rank 0 writes and keeps
+    the newest ``--keep_checkpoints``)."""
     state = trainer_state(tr)
     if tr.dist.is_root:
-        return save_checkpoint(Path(model_dir) / CHECKPOINT_NAME, state)
+        return CheckpointDir(tr.args.checkpoint_dir, tr.args.keep_checkpoints).save(state,
+                                                                                     tr.step)
     return None
 
 
-def _model_dir_checkpoint(dist: Dist, model_dir: str) -> str | None:
-    """The checkpoint in ``model_dir`` as rank 0 sees it (the one that writes them), on every
-    rank; None when there is none."""
-    found = Path(model_dir) / CHECKPOINT_NAME
-    where = str(found) if dist.is_root and found.is_file() else None
+def _resume(args: argparse.Namespace, dist: Dist, logger: MetricLogger
+            ) -> tuple[str | None, dict[str, Any] | None]:
+    """What ``--resume`` restores: the checkpoint's path on every rank, its state on rank 0
+    (None, None for a fresh start). ``--mode eval`` without one is an error unless
+    ``--eval_untrained``."""
+    where, state = None, None
+    if dist.is_root and args.resume != "none":
+        if args.resume == "auto":
+            found = CheckpointDir(args.checkpoint_dir).newest(logger.print)
+            if found is not None:
+                where, state = str(found[0]), found[1]
+        else:
+            where, state = args.resume, load_checkpoint(args.resume)
     if dist.size > 1:
         where = dist.hvd.broadcast_object(where, root_rank=0, name="efficientnet.ckpt_found")
-    return where
-
-
-def _eval_checkpoint(args: argparse.Namespace, dist: Dist, logger: MetricLogger) -> str | None:
-    """The checkpoint ``--mode eval`` scores: ``--model_dir``'s when there is one (rank 0
-    looks), else none with ``--eval_untrained``, else an error on every rank."""
-    where = _model_dir_checkpoint(dist, args.model_dir)
-    if where is not None:
-        logger.print(f"eval: scoring the checkpoint in --model_dir ({where})")
-        return where
-    if not args.eval_untrained:
-        raise SystemExit(f"--mode eval needs a trained model: give --resume_checkpoint "
-                         f"FILE_OR_DIR (there is no {CHECKPOINT_NAME} in --model_dir "
-                         f"{args.model_dir}); to score a freshly initialised model on purpose, "
-                         f"add --eval_untrained")
-    logger.print("WARNING: --eval_untrained: scoring an UNTRAINED, randomly initialised model "
-                 "(no checkpoint); expect chance accuracy")
-    return None
-
-
-def _resume_from(args: argparse.Namespace, dist: Dist, logger: MetricLogger) -> str | None:
-    """What to resume from: ``--resume_checkpoint PATH``; bare, ``--model_dir``'s checkpoint
-    when it has one (else a fresh start, said so)."""
-    if not getattr(args, "resume_optional", False) or args.mode == "eval":
-        return args.resume_checkpoint
-    where = _model_dir_checkpoint(dist, args.model_dir)
-    if where is None:
-        logger.print(f"--resume_checkpoint: no checkpoint in --model_dir {args.model_dir} "
-                     f"yet; starting fresh")
-    return where
+    if where is None and args.mode == "eval":
+        if not args.eval_untrained:
+            raise SystemExit(f"--mode eval needs a trained model: there is no checkpoint in "
+                             f"--checkpoint_dir {args.checkpoint_dir}; give --resume PATH, or "
+                             f"--eval_untrained to score a freshly initialised model on "
+                             f"purpose")
+        logger.print("WARNING: --eval_untrained: scoring an UNTRAINED, randomly initialised "
+                     "model (no checkpoint); expect chance accuracy")
+    elif where is None and args.resume == "auto":
+        logger.print("no checkpoint to resume from: starting fresh")
+    return where, state
 
 
 def _run(args: argparse.Namespace, dist: Dist) -> dict[str, Any]:
@@ -196,14 +204,20 @@ def _run(args: argparse.Namespace, dist: Dist) -> dict[str, Any]:
                  f"{'torch.compile' if args.use_xla else 'eager'}")
     logger.print(f"peak lr {tr.schedule.base_lr:.4g} = --lr_init {args.lr_init:g} x "
                  f"{global_batch} / {LR_BATCH_BASE} (NVIDIA's rule)")
-    args.resume_checkpoint = _resume_from(args, dist, logger)
-    if args.mode == "eval" and not args.resume_checkpoint:
-        args.resume_checkpoint = _eval_checkpoint(args, dist, logger)
-    if args.resume_checkpoint:
-        restore_trainer(tr, load_checkpoint(args.resume_checkpoint) if dist.is_root else None)
-        logger.print(f"resumed from {args.resume_checkpoint}: epoch {tr.epoch}, step {tr.step}")
+    resumed, state = _resume(args, dist, logger)
+    if resumed is not None:
+        restore_trainer(tr, state)
+        logger.print(f"resumed from {resumed}: epoch {tr.epoch}, step {tr.step}")
         if train_ds is not None:
             logger.print(resume_stream(tr, train_ds))
+    if args.mode != "eval" and tr.epoch >= args.max_epochs:
+        logger.print(f"the run finished already (epoch {tr.epoch} of {args.max_epochs}, step "
+                     f"{tr.step}, {resumed}); nothing to train. Start another with --resume "
+                     f"none or a new --checkpoint_dir")
+        summary = {"finished": True, "epoch": tr.epoch, "step": tr.step}
+        logger.log("SUMMARY", summary)
+        logger.close()
+        return summary
 
     def eval_loader() -> Any:
         loader = make_loader(eval_ds, args.eval_batch_size, args.num_workers, drop_last=False)
@@ -214,33 +228,59 @@ def _run(args: argparse.Namespace, dist: Dist) -> dict[str, Any]:
     summary: dict[str, Any] = {}
     if args.mode == "eval":
         summary = evaluate(tr, eval_loader())
-        summary["checkpoint"] = args.resume_checkpoint or "none: untrained"
+        summary["checkpoint"] = resumed or "none: untrained"
     else:
         batches = iter(make_loader(train_ds, args.train_batch_size, args.num_workers,
                                    drop_last=True, pin_memory=dist.device.type == "cuda"))
         benchmark = args.mode == "training_benchmark"
-        start, first = time.perf_counter(), tr.epoch
-        for _ in range(tr.epoch, args.max_epochs):
-            warmup = args.benchmark_warmup_steps if benchmark and tr.epoch == first else 1
-            stats = train_epoch(tr, batches, logger, min(warmup, tr.steps_per_epoch - 1))
-            tr.epoch += 1
-            evaluating = args.mode == "train_and_eval" and not args.skip_eval and (
-                tr.epoch % args.num_epochs_between_eval == 0 or tr.epoch == args.max_epochs)
-            logger.log((tr.epoch, tr.step), stats, echo=not evaluating)
-            summary.update(stats)
-            if evaluating:  # one line for the epoch: training, then evaluation
-                ev = evaluate(tr, eval_loader())
-                logger.log((tr.epoch, tr.step), ev, echo=False)
-                logger.echo((tr.epoch, tr.step), {**stats, **ev})
-                summary.update(ev)
-            freq = args.save_checkpoint_freq
-            if not benchmark and args.enable_checkpoint_and_export and (
-                    (freq and tr.epoch % freq == 0) or tr.epoch == args.max_epochs):
-                save(tr, args.model_dir)
+        start = time.perf_counter()
+        stop = StopRequest(lambda flag, name: average([flag], name=name)[0],
+                           args.stop_grace_s, logger.print)
+        try:
+            summary = _train(args, tr, batches, logger, benchmark, eval_loader, stop)
+        finally:
+            stop.close()
         del batches
         summary["training_time"] = time.perf_counter() - start
     logger.log("SUMMARY", summary)
     logger.close()
+    return summary
+
+
+def _train(args: argparse.Namespace, tr: Trainer, batches: Iterator[Any],
+           logger: MetricLogger, benchmark: bool, eval_loader: Callable[[], Any],
+           stop: StopRequest) -> dict[str, Any]:
+    """The epochs from ``tr.epoch`` on; after a SIGTERM, a checkpoint ends them."""
+    summary: dict[str, Any] = {}
+    checkpoints = args.enable_checkpoint_and_export and not benchmark
+    first = tr.epoch
+    for _ in range(tr.epoch, args.max_epochs):
+        warmup = args.benchmark_warmup_steps if benchmark and tr.epoch == first else 1
+        stats = train_epoch(tr, batches, logger, min(warmup, tr.steps_per_epoch - 1), stop)
+        if stop.stopped:
+            logger.print(f"SIGTERM: every rank stopped after step {tr.step}"
+                         + ("; checkpointing" if checkpoints else ""))
+            if checkpoints:
+                where = save(tr)
+                if where is not None:
+                    logger.print(f"checkpoint {where} written; the same command continues "
+                                 f"the run from step {tr.step}")
+            stop.done()
+            summary.update(stats, stopped_at_step=tr.step)
+            return summary
+        tr.epoch += 1
+        evaluating = args.mode == "train_and_eval" and not args.skip_eval and (
+            tr.epoch % args.num_epochs_between_eval == 0 or tr.epoch == args.max_epochs)
+        logger.log((tr.epoch, tr.step), stats, echo=not evaluating)
+        summary.update(stats)
+        if evaluating:  # one line for the epoch: training, then evaluation
+            ev = evaluate(tr, eval_loader())
+            logger.log((tr.epoch, tr.step), ev, echo=False)
+            logger.echo((tr.epoch, tr.step), {**stats, **ev})
+            summary.update(ev)
+        freq = args.save_checkpoint_freq
+        if checkpoints and ((freq and tr.epoch % freq == 0) or tr.epoch == args.max_epochs):
+            save(tr)
     return summary
 
 
