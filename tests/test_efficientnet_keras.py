@@ -82,7 +82,9 @@ def _train_and_resume(rank: int, data_dir: str, root: str) -> dict:
     run(parse_args(_flags(data_dir, f"{root}/first", 2)))
     resumed = run(parse_args(_flags(data_dir, f"{root}/resumed", 3, "--resume_checkpoint",
                                     f"{root}/first")))
-    return {"straight": straight, "resumed": resumed}
+    # --mode eval scores the newest checkpoint of the straight run (no EMA swap: the weights)
+    evaluation = run(parse_args([*_flags(data_dir, f"{root}/straight", 3), "--mode", "eval"]))
+    return {"straight": straight, "resumed": resumed, "eval": evaluation}
 
 
 def test_keras_app_trains_and_resumes_identically(digits: Path, tmp_path: Path) -> None:
@@ -92,12 +94,15 @@ def test_keras_app_trains_and_resumes_identically(digits: Path, tmp_path: Path) 
     assert straight["avg_exp_per_second_training"] > 0
     assert all(r["straight"]["eval_accuracy_top_1"] == straight["eval_accuracy_top_1"]
                for r in results)  # the global evaluation, the same on every rank
-    ckpt = "keras_checkpoint.npz"
-    with np.load(tmp_path / "straight" / ckpt) as a, np.load(tmp_path / "resumed" / ckpt) as b:
-        assert int(a["epoch"]) == int(b["epoch"]) == 3
-        assert a.files == b.files
-        for key in a.files:  # model, BatchNorm statistics, EMA, optimizer state, seeds
-            np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+    from apps.efficientnet.keras.checkpoint import keras_checkpoints
+    (_, a), (_, b) = (keras_checkpoints(tmp_path / run).newest()  # type: ignore[misc]
+                      for run in ("straight", "resumed"))
+    assert int(a["epoch"]) == int(b["epoch"]) == 3 and int(a["step"]) == 24
+    assert a.keys() == b.keys()
+    for key in a:  # model, BatchNorm statistics, EMA, optimizer state, seeds
+        np.testing.assert_array_equal(a[key], b[key], err_msg=key)
     assert results[0]["resumed"]["training_loss"] == straight["training_loss"]
-    assert sorted(p.name for p in (tmp_path / "straight").iterdir()) == ["keras_checkpoint.npz",
-                                                                         "log.json"]
+    assert sorted(p.name for p in (tmp_path / "straight").iterdir()) == [
+        "ckpt-000000008.npz", "ckpt-000000016.npz", "ckpt-000000024.npz", "log.json"]
+    assert results[0]["eval"]["checkpoint"] == str(tmp_path / "straight" / "ckpt-000000024.npz")
+    assert results[0]["eval"]["eval_accuracy_top_1"] == straight["eval_accuracy_top_1"]

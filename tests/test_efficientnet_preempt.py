@@ -20,7 +20,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("sklearn")
 from apps.efficientnet.config.flags import parse_args  # noqa: E402
 from apps.efficientnet.runtime.checkpoint import (  # noqa: E402
-    CheckpointDir,
+    checkpoint_dir,
     checkpoint_name,
     load_checkpoint,
 )
@@ -34,7 +34,7 @@ def _state(step: int) -> dict:
 
 
 def test_the_last_k_are_kept_and_a_truncated_newest_falls_back(tmp_path: Path) -> None:
-    store = CheckpointDir(tmp_path, keep=3)
+    store = checkpoint_dir(tmp_path, keep=3)
     for step in (5, 10, 15, 20):
         store.save(_state(step), step)
     assert [p.name for p in store.files()] == [checkpoint_name(s) for s in (20, 15, 10)]
@@ -45,12 +45,12 @@ def test_the_last_k_are_kept_and_a_truncated_newest_falls_back(tmp_path: Path) -
     assert path.name == checkpoint_name(15) and state["step"] == 15
     assert len(said) == 1 and "unreadable" in said[0] and newest.name in said[0]
     assert load_checkpoint(tmp_path)["step"] == 15  # a directory: its newest intact one
-    assert CheckpointDir(tmp_path / "none").newest() is None
+    assert checkpoint_dir(tmp_path / "none").newest() is None
 
 
 def test_a_crash_while_writing_leaves_the_previous_ones(tmp_path: Path,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    store = CheckpointDir(tmp_path, keep=2)
+    store = checkpoint_dir(tmp_path, keep=2)
     store.save(_state(1), 1)
     store.save(_state(2), 2)
 
@@ -93,8 +93,9 @@ def digits(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return data
 
 
-def _app(digits: Path, model_dir: Path) -> list[str]:
-    return ["-m", "apps.efficientnet.main", "--mode", "train", "--arch", "small-cnn",
+def _app(digits: Path, model_dir: Path, framework: str) -> list[str]:
+    return ["-m", "apps.efficientnet.main", "--framework", framework, "--mode", "train",
+            "--arch", "small-cnn",
             "--data_dir", str(digits), "--num_classes", "10", "--image_size", "32",
             "--max_epochs", "2", "--train_batch_size", "16", "--num_workers", "1",
             "--log_steps", "1", "--save_checkpoint_freq", "0", "--augmenter_name", "none",
@@ -109,8 +110,8 @@ def _env() -> dict[str, str]:
     return {**env, "SHOAL_SECRET": "7a" * 16, "OMP_NUM_THREADS": "1"}
 
 
-def _launch(how: str, digits: Path, model_dir: Path) -> list[str]:
-    app = [sys.executable, *_app(digits, model_dir)]
+def _launch(how: str, digits: Path, model_dir: Path, framework: str = "torch") -> list[str]:
+    app = [sys.executable, *_app(digits, model_dir, framework)]
     if how == "shoalrun":
         return [sys.executable, "-m", "shoal.runner", "-np", "2", *app]
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
@@ -131,19 +132,37 @@ def _steps_logged(model_dir: Path) -> int:
     return max((s[1] for s in steps if isinstance(s, list)), default=0)
 
 
-def _final_model(model_dir: Path) -> dict:
-    return load_checkpoint(model_dir)["model"]
+def _store(model_dir: Path, framework: str) -> object:
+    if framework == "torch":
+        return checkpoint_dir(model_dir)
+    from apps.efficientnet.keras.checkpoint import keras_checkpoints
+    return keras_checkpoints(model_dir)
+
+
+def _final(model_dir: Path, framework: str) -> dict:
+    state = _store(model_dir, framework).newest()[1]  # type: ignore[attr-defined]
+    return state["model"] if framework == "torch" else state
+
+
+def _equal(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)  # type: ignore[arg-type]
+    import numpy as np
+    return bool(np.array_equal(a, b))  # type: ignore[arg-type]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["shoalrun", "torchrun"])
-def test_sigterm_then_the_same_command_ends_bitwise_equal(how: str, digits: Path,
-                                                          tmp_path: Path) -> None:
+@pytest.mark.parametrize(("how", "framework"), [("shoalrun", "torch"), ("torchrun", "torch"),
+                                                ("shoalrun", "tensorflow")])
+def test_sigterm_then_the_same_command_ends_bitwise_equal(how: str, framework: str,
+                                                          digits: Path, tmp_path: Path) -> None:
+    if framework == "tensorflow":
+        pytest.importorskip("tensorflow")
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
-    done = subprocess.run(_launch(how, digits, straight), env=_env(), cwd=ROOT,
+    done = subprocess.run(_launch(how, digits, straight, framework), env=_env(), cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    proc = subprocess.Popen(_launch(how, digits, stopped), env=_env(), cwd=ROOT,
+    proc = subprocess.Popen(_launch(how, digits, stopped, framework), env=_env(), cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 240
@@ -159,17 +178,19 @@ def test_sigterm_then_the_same_command_ends_bitwise_equal(how: str, digits: Path
     else:
         assert proc.returncode != 0  # torchrun re-raises the signal it was stopped by
     assert "SIGTERM: every rank stopped after step" in out + err, (out + err)[-3000:]
-    cut = [p for p in CheckpointDir(stopped).files()]
+    cut = _store(stopped, framework).files()  # type: ignore[attr-defined]
     assert len(cut) == 1 and 5 <= int(cut[0].stem.split("-")[1]) < 20
-    again = subprocess.run(_launch(how, digits, stopped), env=_env(), cwd=ROOT,
+    again = subprocess.run(_launch(how, digits, stopped, framework), env=_env(), cwd=ROOT,
                            capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"resumed from {cut[0]}" in again.stdout
-    assert "the stream continues after batch" in again.stdout  # exact, mid-epoch
-    a, b = _final_model(straight), _final_model(stopped)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    if framework == "torch":
+        assert "the stream continues after batch" in again.stdout  # exact, mid-epoch
+    a, b = _final(straight, framework), _final(stopped, framework)
+    differ = [k for k in a if not _equal(a[k], b[k])]
+    assert a.keys() == b.keys() and not differ, f"stopped at {cut[0].name}: {differ[:5]}"
     if how == "shoalrun":  # a finished run says so and trains no more
-        third = subprocess.run(_launch(how, digits, stopped), env=_env(), cwd=ROOT,
+        third = subprocess.run(_launch(how, digits, stopped, framework), env=_env(), cwd=ROOT,
                                capture_output=True, text=True, timeout=300)
         assert third.returncode == 0 and "the run finished already" in third.stdout
         assert "step 1 " not in third.stdout

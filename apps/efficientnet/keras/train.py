@@ -10,10 +10,11 @@ recipe's ``--use_xla`` does), ``--batch_norm syncbn`` uses shoal's ``SyncBatchNo
 Statistics are logged like the PyTorch application's: loss,
 top-1/top-5 accuracy, images per second, latency percentiles; a ``SUMMARY`` line closes the run.
 
-A checkpoint (``<model_dir>/keras_checkpoint.npz``) holds every model variable (BatchNorm
-statistics and dropout seeds included), every optimizer variable and the epoch; ``--resume``
-loads it on rank 0 and sends it to the others, and the data pipeline is a function of the
-epoch, so a resumed run continues exactly as the uninterrupted one.
+Checkpoints (:mod:`.checkpoint`) go to ``--checkpoint_dir`` every ``--save_checkpoint_freq``
+epochs, every ``--save_checkpoint_steps`` steps and at the end; ``--resume auto`` (the default)
+continues from the newest intact one on every rank, mid-epoch too, and exactly; a finished
+run says so. On SIGTERM every rank stops after the same step, rank 0 checkpoints, and the run
+ends normally (:mod:`apps.efficientnet.runtime.preempt`). ``--mode eval`` scores a checkpoint.
 """
 
 from __future__ import annotations
@@ -29,12 +30,12 @@ import numpy as np
 from apps.efficientnet.config.flags import LR_BATCH_BASE, peak_lr
 from apps.efficientnet.config.variants import training_resolution
 from apps.efficientnet.dataloader.index import record_counts
+from apps.efficientnet.keras import checkpoint
 from apps.efficientnet.keras.comm import Comm, make_comm
 from apps.efficientnet.runtime.metrics import MetricLogger, latency_percentiles
+from apps.efficientnet.runtime.preempt import StopRequest
 
-__all__ = ["CHECKPOINT", "evaluate", "run"]
-
-CHECKPOINT = "keras_checkpoint.npz"
+__all__ = ["evaluate", "run"]
 
 
 def _keras(backend: str, args: argparse.Namespace) -> tuple[Any, Any, Comm]:
@@ -52,43 +53,6 @@ def _keras(backend: str, args: argparse.Namespace) -> tuple[Any, Any, Comm]:
             args.interop_threads or min(2, share))
     import keras
     return tf, keras, comm
-
-
-def _variables(model: Any) -> list[Any]:
-    return [*model.variables, *model.optimizer.variables]
-
-
-def save_checkpoint(model: Any, epoch: int, model_dir: str) -> Path:
-    """Write ``model``'s and its optimizer's variables and ``epoch`` (call on rank 0)."""
-    path = Path(model_dir) / CHECKPOINT
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp-{os.getpid()}.npz")
-    arrays = {f"v{i:05d}": np.asarray(v.numpy()) for i, v in enumerate(_variables(model))}
-    np.savez(tmp, epoch=np.int64(epoch), **arrays)
-    os.replace(tmp, path)
-    return path
-
-
-def restore_checkpoint(model: Any, where: str, comm: Comm) -> int:
-    """Load ``where`` (a checkpoint or its directory) on rank 0, send it to every rank,
-    assign it; returns the epoch to continue from."""
-    state = None
-    if comm.rank == 0:
-        path = Path(where)
-        path = path / CHECKPOINT if path.is_dir() else path
-        with np.load(path) as data:
-            state = {k: data[k] for k in data.files}
-    state = comm.broadcast_object(state, name="keras.resume")
-    model.optimizer.build(model.trainable_variables)
-    variables = _variables(model)
-    values = [state[f"v{i:05d}"] for i in range(len(variables))]
-    if len(state) - 1 != len(variables):
-        raise ValueError(f"checkpoint {where!r} holds {len(state) - 1} variables, this model "
-                         f"and optimizer {len(variables)}: other flags than the run that "
-                         f"wrote it?")
-    for var, value in zip(variables, values, strict=True):
-        var.assign(value)
-    return int(state["epoch"])
 
 
 def evaluate(tf: Any, comm: Comm, model: Any, data: Any, jit: bool) -> dict[str, float]:
@@ -117,7 +81,8 @@ def evaluate(tf: Any, comm: Comm, model: Any, data: Any, jit: bool) -> dict[str,
 
 
 def _callback(keras: Any, tf: Any, comm: Comm, args: argparse.Namespace, logger: MetricLogger,
-              eval_data: Any, summary: dict[str, Any], warmup: int, jit: bool) -> Any:
+              eval_data: Any, summary: dict[str, Any], warmup: int, jit: bool,
+              stop: StopRequest, steps: int) -> Any:
     class Progress(keras.callbacks.Callback):
         """Timing, evaluation, checkpoints and logging, once per epoch (and the images/s of
         every ``--log_steps`` steps with ``--time_history``)."""
@@ -139,6 +104,8 @@ def _callback(keras: Any, tf: Any, comm: Comm, args: argparse.Namespace, logger:
                 logger.log((self.epoch + 1, step), {"examples_per_second": rate})
 
         def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+            if stop.stopped:  # fit ends its epoch early: not an epoch's end
+                return
             logs = logs or {}  # averaged over ranks by MetricAverageCallback
             skip = min(warmup, len(self.times) - 1)
             timed = self.times[skip:]
@@ -155,26 +122,93 @@ def _callback(keras: Any, tf: Any, comm: Comm, args: argparse.Namespace, logger:
             done = epoch + 1
             if eval_data is not None and (done % args.num_epochs_between_eval == 0
                                           or done == args.max_epochs):
-                ema = args.moving_average_decay > 0
-                swap = keras.callbacks.SwapEMAWeights()
-                swap.set_model(self.model)
-                if ema:
-                    swap._swap_variables()
-                try:
-                    stats.update(evaluate(tf, comm, self.model, eval_data, jit))
-                finally:
-                    if ema:
-                        swap._swap_variables()
-            step = (epoch + 1) * self.params["steps"]
+                stats.update(_evaluate_ema(keras, tf, comm, args, self.model, eval_data, jit))
+            step = int(self.model.optimizer.iterations)
             logger.log((epoch + 1, step), stats)
             summary.update(stats)
             freq = args.save_checkpoint_freq
-            if args.mode != "training_benchmark" and comm.rank == 0 and \
-                    args.enable_checkpoint_and_export and (
+            if _checkpoints(args) and comm.rank == 0 and (
                     (freq and (epoch + 1) % freq == 0) or epoch + 1 == args.max_epochs):
-                save_checkpoint(self.model, epoch + 1, args.model_dir)
+                checkpoint.save(self.model, epoch + 1, step, args.checkpoint_dir,
+                                args.keep_checkpoints)
 
-    return Progress()
+    class StepEnd(keras.callbacks.Callback):
+        """Every --save_checkpoint_steps steps a checkpoint; after a SIGTERM, the step every
+        rank stops after, and its checkpoint."""
+
+        def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+            self.epoch = epoch
+
+        def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+            step = int(self.model.optimizer.iterations)
+            if stop(step):
+                self.model.stop_training = True
+                logger.print(f"SIGTERM: every rank stopped after step {step}"
+                             + ("; checkpointing" if _checkpoints(args) else ""))
+                if _checkpoints(args) and comm.rank == 0:
+                    # after an epoch's last step its training is done (fit skips the rest
+                    # of its end: statistics, evaluation)
+                    epoch = self.epoch + (step % steps == 0)
+                    where = checkpoint.save(self.model, epoch, step, args.checkpoint_dir,
+                                            args.keep_checkpoints)
+                    logger.print(f"checkpoint {where} written; the same command continues "
+                                 f"the run from step {step}")
+                stop.done()
+                summary["stopped_at_step"] = step
+                return
+            every = args.save_checkpoint_steps
+            if every and step % every == 0 and step % steps and \
+                    _checkpoints(args) and comm.rank == 0:
+                checkpoint.save(self.model, self.epoch, step, args.checkpoint_dir,
+                                args.keep_checkpoints)
+
+    return [Progress(), StepEnd()]
+
+
+def _evaluate_ema(keras: Any, tf: Any, comm: Comm, args: argparse.Namespace, model: Any,
+                  data: Any, jit: bool) -> dict[str, float]:
+    """:func:`evaluate` with the weights' moving averages in place (``--moving_average_decay``),
+    as the recipe evaluates."""
+    ema = args.moving_average_decay > 0
+    swap = keras.callbacks.SwapEMAWeights()
+    swap.set_model(model)
+    if ema:
+        swap._swap_variables()
+    try:
+        return evaluate(tf, comm, model, data, jit)
+    finally:
+        if ema:
+            swap._swap_variables()
+
+
+def _checkpoints(args: argparse.Namespace) -> bool:
+    return bool(args.enable_checkpoint_and_export) and args.mode != "training_benchmark"
+
+
+def _resume(args: argparse.Namespace, comm: Comm, logger: MetricLogger
+            ) -> tuple[str | None, dict[str, Any] | None]:
+    """What ``--resume`` restores: its path on every rank, its state on rank 0."""
+    where, state = None, None
+    if comm.rank == 0 and args.resume != "none":
+        if args.resume == "auto":
+            found = checkpoint.keras_checkpoints(args.checkpoint_dir).newest(logger.print)
+            if found is not None:
+                where, state = str(found[0]), found[1]
+        else:
+            path = Path(args.resume)
+            found = checkpoint.keras_checkpoints(path).newest(logger.print) \
+                if path.is_dir() else (path, checkpoint._read(path))
+            if found is None:
+                raise FileNotFoundError(f"no readable checkpoint in {args.resume!r}")
+            where, state = str(found[0]), found[1]
+    where = comm.broadcast_object(where, name="keras.ckpt_found")
+    if where is None and args.mode == "eval" and not args.eval_untrained:
+        raise SystemExit(f"--mode eval needs a trained model: there is no checkpoint in "
+                         f"--checkpoint_dir {args.checkpoint_dir}; give --resume PATH, or "
+                         f"--eval_untrained to score a freshly initialised model on purpose")
+    if where is None and args.resume == "auto" and args.mode != "eval":
+        logger.print("no checkpoint to resume from: starting fresh")
+    return where, state
 
 
 def _policy(args: argparse.Namespace) -> str | None:
@@ -189,9 +223,6 @@ def _policy(args: argparse.Namespace) -> str | None:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Train, evaluate or benchmark ``args.arch`` with Keras through shoal; the summary."""
-    if args.mode == "eval":
-        raise NotImplementedError("--framework tensorflow --mode eval: evaluate with "
-                                  "--mode train_and_eval and --resume_checkpoint")
     tf, keras, comm = _keras(args.backend, args)
     from apps.efficientnet.keras import data as data_
     from apps.efficientnet.keras.model import WarmupDecay, build_model, build_optimizer
@@ -213,7 +244,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if not steps and args.train_num_examples:
         steps = max(1, args.train_num_examples // global_batch)
     if not steps:
-        steps = 100 if args.synthetic else max(1, sum(record_counts(
+        steps = 100 if args.synthetic or args.mode == "eval" else max(1, sum(record_counts(
             data_.read_split(args, "train"), comm.team())) // global_batch)
     logger = MetricLogger(Path(args.model_dir) / args.log_filename, enabled=rank == 0)
     logger.log("PARAMETER", {**vars(args), "world_size": size}, echo=False)
@@ -233,35 +264,58 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                           keras.metrics.TopKCategoricalAccuracy(5, name="top5")],
                       loss=keras.losses.CategoricalCrossentropy(
                           from_logits=True, label_smoothing=args.label_smoothing))
-    if getattr(args, "resume_optional", False):
-        found = Path(args.model_dir) / CHECKPOINT
-        where = comm.broadcast_object(str(found) if rank == 0 and found.is_file() else None,
-                                      name="keras.ckpt_found")
-        if where is None:
-            logger.print(f"--resume_checkpoint: no checkpoint in --model_dir {args.model_dir} "
-                         f"yet; starting fresh")
-        args.resume_checkpoint = where
-    start = 0
-    if args.resume_checkpoint:
-        start = restore_checkpoint(model, args.resume_checkpoint, comm)
-        logger.print(f"resumed from {args.resume_checkpoint}: epoch {start}")
+    resumed, state = _resume(args, comm, logger)
+    start, step = 0, 0
+    if resumed is not None:
+        start, step = checkpoint.restore(model, state, resumed, comm)
+        step = start * steps if step < 0 else step
+        logger.print(f"resumed from {resumed}: epoch {start}, step {step}")
     logger.print(f"{args.arch} {args.mode}: {size} ranks (keras, {comm.name})")
+    summary: dict[str, Any] = {}
+    if args.mode == "eval":
+        evaluation = data_.eval_dataset(args, rank, size, args.eval_img_size or image_size)
+        summary = _evaluate_ema(keras, tf, comm, args, model, evaluation, jit)
+        summary["checkpoint"] = resumed or "none: untrained"
+        return _close(logger, comm, summary)
+    if start >= args.max_epochs:
+        logger.print(f"the run finished already (epoch {start} of {args.max_epochs}, step "
+                     f"{step}, {resumed}); nothing to train. Start another with --resume "
+                     f"none or a new --checkpoint_dir")
+        return _close(logger, comm, {"finished": True, "epoch": start, "step": step})
     xla = "auto-clustering" if auto_jit else "jit_compile" if jit else "off"
     logger.print(f"{image_size} px, global batch {global_batch}, {steps} steps/epoch, amp "
                  f"{policy or 'off'}, xla {xla}")
     logger.print(f"peak lr {base_lr:.4g} = --lr_init {args.lr_init:g} x {global_batch} / "
                  f"{LR_BATCH_BASE} (NVIDIA's rule)")
-    train = data_.train_dataset(args, rank, size, image_size, steps, start,
-                                comm.dataset_batch(args.train_batch_size))
     evaluation = data_.eval_dataset(args, rank, size, args.eval_img_size or image_size) \
         if args.mode == "train_and_eval" and not args.skip_eval else None
-    summary: dict[str, Any] = {}
     warmup = args.benchmark_warmup_steps if args.mode == "training_benchmark" else 1
+    stop = StopRequest(lambda flag, name: float(comm.average([flag], name=name)[0]),
+                       args.stop_grace_s, logger.print)
     callbacks = [*comm.callbacks(),
-                 _callback(keras, tf, comm, args, logger, evaluation, summary, warmup, jit)]
+                 *_callback(keras, tf, comm, args, logger, evaluation, summary, warmup, jit,
+                            stop, steps)]
+    batch = comm.dataset_batch(args.train_batch_size)
     t0 = time.perf_counter()
-    comm.fit(model, train, start, args.max_epochs, steps, callbacks, jit, args.train_batch_size)
+    try:
+        done = step - start * steps  # > 0: resumed inside epoch `start`
+        if done > 0:  # the rest of that epoch: its data from the step after the checkpoint
+            rest = data_.train_dataset(args, rank, size, image_size, steps, start, batch) \
+                .skip(done).take(steps - done)
+            comm.fit(model, rest, start, start + 1, steps - done, callbacks, jit,
+                     args.train_batch_size)
+            start += 1
+        if start < args.max_epochs and not stop.stopped:
+            train = data_.train_dataset(args, rank, size, image_size, steps, start, batch)
+            comm.fit(model, train, start, args.max_epochs, steps, callbacks, jit,
+                     args.train_batch_size)
+    finally:
+        stop.close()
     summary["training_time"] = time.perf_counter() - t0
+    return _close(logger, comm, summary)
+
+
+def _close(logger: MetricLogger, comm: Comm, summary: dict[str, Any]) -> dict[str, Any]:
     logger.log("SUMMARY", summary)
     logger.close()
     comm.close()

@@ -26,7 +26,7 @@ import torch
 from apps.efficientnet.config.flags import LR_BATCH_BASE
 from apps.efficientnet.dataloader import Preprocess, build_dataset, make_loader
 from apps.efficientnet.dataloader.index import Team
-from apps.efficientnet.runtime.checkpoint import CheckpointDir, load_checkpoint
+from apps.efficientnet.runtime.checkpoint import checkpoint_dir, load_checkpoint
 from apps.efficientnet.runtime.distributed import (
     Dist,
     average,
@@ -144,8 +144,8 @@ def save(tr: Trainer) -> Path | None:
     the newest ``--keep_checkpoints``)."""
     state = trainer_state(tr)
     if tr.dist.is_root:
-        return CheckpointDir(tr.args.checkpoint_dir, tr.args.keep_checkpoints).save(state,
-                                                                                     tr.step)
+        return checkpoint_dir(tr.args.checkpoint_dir, tr.args.keep_checkpoints).save(state,
+                                                                                      tr.step)
     return None
 
 
@@ -157,7 +157,7 @@ def _resume(args: argparse.Namespace, dist: Dist, logger: MetricLogger
     where, state = None, None
     if dist.is_root and args.resume != "none":
         if args.resume == "auto":
-            found = CheckpointDir(args.checkpoint_dir).newest(logger.print)
+            found = checkpoint_dir(args.checkpoint_dir).newest(logger.print)
             if found is not None:
                 where, state = str(found[0]), found[1]
         else:
