@@ -194,3 +194,31 @@ def test_sigterm_then_the_same_command_ends_bitwise_equal(how: str, framework: s
                                capture_output=True, text=True, timeout=300)
         assert third.returncode == 0 and "the run finished already" in third.stdout
         assert "step 1 " not in third.stdout
+
+
+def _steps_run(rank: int, model_dir: str, framework: str) -> list[str]:
+    if framework == "tensorflow":
+        from harness import single_threaded_tf
+        single_threaded_tf()
+        from apps.efficientnet.keras.train import run
+    else:
+        torch.set_num_threads(1)
+        from apps.efficientnet.runtime.runner import run
+    run(parse_args(["--framework", framework, "--arch", "small-cnn", "--image_size", "32",
+                        "--num_classes", "10", "--synthetic", "--mode", "train",
+                        "--max_epochs", "2", "--steps_per_epoch", "4", "--train_batch_size",
+                        "2", "--num_workers", "0", "--log_steps", "0",
+                        "--save_checkpoint_freq", "0", "--save_checkpoint_steps", "3",
+                        "--keep_checkpoints", "2", "--model_dir", model_dir], environ={}))
+    return sorted(p.name for p in Path(model_dir).glob("ckpt-*"))
+
+
+@pytest.mark.parametrize("framework", ["torch", "tensorflow"])
+def test_step_checkpoints_keep_the_newest(framework: str, tmp_path: Path) -> None:
+    """Every 3 steps and at the end (steps 3, 6 and 8 of 2 x 4), the newest 2 kept."""
+    if framework == "tensorflow":
+        pytest.importorskip("tensorflow")
+    from harness import run_ranks
+    suffix = ".pt" if framework == "torch" else ".npz"
+    got = run_ranks(_steps_run, 2, str(tmp_path), framework, timeout=120)
+    assert got[0] == [checkpoint_name(6, suffix), checkpoint_name(8, suffix)]
