@@ -21,10 +21,8 @@ with its name and those ranks; with ``SHOAL_STALL_SHUTDOWN_S`` it then fails.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -36,6 +34,7 @@ import numpy as np
 from .comm import Transport
 from .config import Config
 from .errors import CollectiveMismatchError, PeerLostError, ShoalError, ShoalTimeoutError
+from .negotiator import FAST, JOINED, STUCK, decide, encode
 from .neutral import neutral_allreduce, parse_allreduce_desc
 from .ops import ReduceOp
 from .requests import _PER_CALL, Kind, Request, mismatch_message
@@ -45,9 +44,6 @@ from .timeline import Timeline
 __all__ = ["Engine", "Kind", "Request", "mismatch_message"]
 
 log = logging.getLogger("shoal.engine")
-_HEAD = struct.Struct("!qqB")  # bit-vector bytes, cache size, flags
-# flags: waited past stall_warning_s; this rank has called join(); a payload rides along
-_STUCK, _JOINED, _FAST = 1, 2, 4
 
 
 class Engine(SmallPath):
@@ -250,14 +246,12 @@ class Engine(SmallPath):
                 bits[cached[0]] = True
             else:
                 new.append([req.name, req.desc, req.extra])
-        packed = np.packbits(bits).tobytes()
-        tail = json.dumps(new).encode() if new else b"[]"
         since = min(self._blocked.values(), default=math.inf)
         limit = time.perf_counter() - self.cfg.stall_warning_s
-        flags = _STUCK if oldest < limit and since < limit else 0
+        flags = STUCK if oldest < limit and since < limit else 0
         if self._join is not None:
-            flags |= _JOINED
-        return _HEAD.pack(len(packed), len(self._by_id), flags) + packed + tail
+            flags |= JOINED
+        return encode(bits, new, flags)
 
     def _proposal_of(self, cache_id: int, token: int) -> tuple[bytes, int]:
         """The proposal of exactly the cached name ``cache_id`` with a payload riding along
@@ -268,8 +262,7 @@ class Engine(SmallPath):
             self._small_heads.clear()
         bits = np.zeros(n_cached, bool)
         bits[cache_id] = True
-        packed = np.packbits(bits).tobytes()
-        blob = _HEAD.pack(len(packed), n_cached, _FAST) + packed + b"[]"
+        blob = encode(bits, [], FAST)
         room = self.comm.shm.chunk_bytes - self.comm.shm.payload_offset(len(blob))
         self._small_heads[token] = blob, room
         return blob, room
@@ -319,115 +312,30 @@ class Engine(SmallPath):
 
     def _decide(self, blobs: list[bytes], reqs: Sequence[Request]
                 ) -> tuple[list[str], dict, dict[str, CollectiveMismatchError]]:
-        """From every rank's proposal: the names to run now, in order, and those refused
-        (ranks disagree on them); the same on all ranks.
-
-        Cached names are handled as bit vectors (vectorised AND), so the steady-state cost
-        does not grow with the number of tensors in Python; only new or changed names are
-        compared one by one.
-        """
-        n_cached = len(self._by_id)
-        flags = [_HEAD.unpack_from(blob)[2] for blob in blobs]
-        joined = [r for r, f in enumerate(flags) if f & _JOINED]
-        for r in joined:
+        """The negotiator's decision on every rank's proposals (:func:`.negotiator.decide`,
+        the same on all ranks), applied to this engine: the name cache, the use rounds, join
+        and the numbering epoch; the names to run in order, their extras and the refused."""
+        d = decide(blobs, self._by_id, self._cache, rank=self.rank,
+                   pending=[r.name for r in reqs], stall_warning_s=self.cfg.stall_warning_s)
+        for r in d.joined:
             self._join_seen.setdefault(r, self.rounds)
-        if not joined and blobs[0].endswith(b"]") and blobs[0][-2:] == b"[]" and \
-                blobs.count(blobs[0]) == len(blobs):  # steady state: the same cached set
-            nbytes, _, _ = _HEAD.unpack_from(blobs[0])
-            mask = np.unpackbits(np.frombuffer(blobs[0], np.uint8, nbytes, _HEAD.size),
-                                 count=n_cached)
-            ids = np.flatnonzero(mask)
-            self._last[ids] = self.rounds  # vectorised: no per-tensor Python in steady state
-            return [self._by_id[i] for i in ids], {}, {}
-        bits = np.zeros((self.size, n_cached), bool)
-        present: dict[str, dict[int, str]] = {}
-        extras: dict[str, dict[int, Any]] = {}
-        stuck = [bool(f & _STUCK) for f in flags]
-        active = [r for r in range(self.size) if r not in joined]  # ranks not joined
-        for rank, blob in enumerate(blobs):
-            nbytes, size, _ = _HEAD.unpack_from(blob)
-            if size != n_cached:
-                raise ShoalError(f"rank {self.rank}: negotiation cache out of step with rank "
-                                 f"{rank} ({size} vs {n_cached} entries); this is a bug")
-            if n_cached:
-                bits[rank] = np.unpackbits(np.frombuffer(blob, np.uint8, nbytes, _HEAD.size),
-                                           count=n_cached).astype(bool)
-            tail = blob[_HEAD.size + nbytes:]
-            if tail != b"[]":
-                for name, desc, extra in json.loads(tail):
-                    present.setdefault(name, {})[rank] = desc
-                    extras.setdefault(name, {})[rank] = extra
-        ready = [self._by_id[i] for i in np.flatnonzero(bits[active].all(axis=0))] \
-            if n_cached and active else []
-        fresh: list[str] = []
-        refused: dict[str, CollectiveMismatchError] = {}
-        for name, descs in present.items():
-            cached = self._cache.get(name)
-            if cached is not None:  # proposed as a bit by the ranks whose desc is unchanged
-                for r in np.flatnonzero(bits[:, cached[0]]):
-                    descs[int(r)] = cached[1]
-            if not set(active) <= descs.keys() or not active:
-                continue
-            if len(set(descs.values())) > 1:
-                refused[name] = CollectiveMismatchError(
-                    f"rank {self.rank}: " + mismatch_message(repr(name), descs), descs)
-                continue
-            if cached is None:
-                fresh.append(name)
-            else:
-                ready.append(name)
-                self._cache[name] = (cached[0], descs[active[0]])  # all changed it: adopt
-        for name in sorted(fresh):
-            self._cache[name] = (len(self._by_id), present[name][active[0]])
+        for name, desc in d.adopted.items():
+            self._cache[name] = (self._cache[name][0], desc)
+        for name, desc in d.fresh:
+            self._cache[name] = (len(self._by_id), desc)
             self._by_id.append(name)
-        if fresh:
-            self._last = np.concatenate([self._last, np.zeros(len(fresh), np.int64)])
-        ready += fresh
-        if joined:  # joined ranks take part in allreduces only (Horovod's join): any other
-            # collective a rank proposes fails at once, whether or not the others proposed it
-            proposed = {self._by_id[i]: self._cache[self._by_id[i]][1]
-                        for i in np.flatnonzero(bits.any(axis=0))} if n_cached else {}
-            proposed.update({nm: next(iter(d.values())) for nm, d in present.items()})
-            for name, desc in proposed.items():
-                if desc.startswith("allreduce"):
-                    continue
-                if name in ready:
-                    ready.remove(name)
-                refused[name] = CollectiveMismatchError(
-                    f"rank {self.rank}: {name!r} ({desc.split()[0]}) cannot run while ranks "
-                    f"{joined} have joined; only allreduce takes neutral contributions from "
-                    f"joined ranks")
-        if not ready and active and all(stuck[r] for r in active) and not refused:
-            # every rank (joined ones aside) has been blocked in a wait for stall_warning_s on
-            # collectives no other rank will match (different names, or different
-            # collectives): a mismatch, not a hang
-            waiting = {r: sorted([self._by_id[i] for i in np.flatnonzero(bits[r])]
-                                 + [nm for nm, d in present.items() if r in d])
-                       for r in active}
-            error = CollectiveMismatchError(
-                f"rank {self.rank}: every rank{' not joined' if joined else ''} has been "
-                f"blocked over SHOAL_STALL_WARNING_S="
-                f"{self.cfg.stall_warning_s:g}s on collectives that cannot match:\n"
-                + "\n".join(f"  rank {r} waits for {', '.join(map(repr, names[:8]))}"
-                             + (f" and {len(names) - 8} more" if len(names) > 8 else "")
-                             for r, names in waiting.items())
-                + "\nevery rank must submit the same collectives (names and kinds)",
-                {r: ", ".join(names) for r, names in waiting.items()})
-            refused = {req.name: error for req in reqs}
-        if refused:
+        if d.fresh:
+            self._last = np.concatenate([self._last, np.zeros(len(d.fresh), np.int64)])
+        if d.refused:
             # ranks that diverged (or made calls another rank did not, as around join()) have
             # their unnamed collectives numbered out of step: every rank starts a new
             # numbering, all in this same round
             self.epoch += 1
-        self._last[[self._cache[nm][0] for nm in ready]] = self.rounds
-        runnable = set(ready)
+        self._last[d.ran_ids] = self.rounds  # vectorised: no per-tensor Python in steady state
         for req in reqs:
-            if req.name not in runnable:
-                descs = present.get(req.name, {})
-                idx = self._cache.get(req.name, (None,))[0]
-                req.missing = tuple(r for r in range(self.size) if r not in descs and not (
-                    idx is not None and idx < n_cached and bits[r, idx]))
-        return sorted(ready, key=lambda nm: self._cache[nm][0]), extras, refused
+            if req.name in d.missing:
+                req.missing = d.missing[req.name]
+        return d.order, d.extras, d.refused
 
     # -- join --------------------------------------------------------------------------------
     def join(self) -> Future:
