@@ -128,4 +128,4 @@ def test_application_trains_from_s3(bucket: str, s3_server: str, tmp_path: Path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "3 steps/epoch" in proc.stdout  # 27 records // global batch 8, from the index
     assert "epoch 1/1  loss " in proc.stdout and "  eval " in proc.stdout
-    assert (tmp_path / "model/checkpoint.pt").is_file()
+    assert (tmp_path / "model/ckpt-000000003.pt").is_file()
