@@ -123,7 +123,7 @@ def _callback(keras: Any, tf: Any, comm: Comm, args: argparse.Namespace, logger:
             if eval_data is not None and (done % args.num_epochs_between_eval == 0
                                           or done == args.max_epochs):
                 stats.update(_evaluate_ema(keras, tf, comm, args, self.model, eval_data, jit))
-            step = int(self.model.optimizer.iterations)
+            step = _iterations(self.model)
             logger.log((epoch + 1, step), stats)
             summary.update(stats)
             freq = args.save_checkpoint_freq
@@ -140,7 +140,7 @@ def _callback(keras: Any, tf: Any, comm: Comm, args: argparse.Namespace, logger:
             self.epoch = epoch
 
         def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
-            step = int(self.model.optimizer.iterations)
+            step = _iterations(self.model)
             if stop(step):
                 self.model.stop_training = True
                 logger.print(f"SIGTERM: every rank stopped after step {step}"
@@ -181,15 +181,22 @@ def _evaluate_ema(keras: Any, tf: Any, comm: Comm, args: argparse.Namespace, mod
             swap._swap_variables()
 
 
+def _iterations(model: Any) -> int:
+    """The optimizer steps taken (a plain or a distribution strategy's variable)."""
+    return int(np.asarray(model.optimizer.iterations.numpy()))
+
+
 def _checkpoints(args: argparse.Namespace) -> bool:
     return bool(args.enable_checkpoint_and_export) and args.mode != "training_benchmark"
 
 
 def _resume(args: argparse.Namespace, comm: Comm, logger: MetricLogger
             ) -> tuple[str | None, dict[str, Any] | None]:
-    """What ``--resume`` restores: its path on every rank, its state on rank 0."""
+    """What ``--resume`` restores: its path on every rank, its state on rank 0. A benchmark
+    starts fresh unless given a checkpoint (and writes none)."""
     where, state = None, None
-    if comm.rank == 0 and args.resume != "none":
+    skip = args.resume == "none" or (args.resume == "auto" and args.mode == "training_benchmark")
+    if comm.rank == 0 and not skip:
         if args.resume == "auto":
             found = checkpoint.keras_checkpoints(args.checkpoint_dir).newest(logger.print)
             if found is not None:
@@ -201,7 +208,8 @@ def _resume(args: argparse.Namespace, comm: Comm, logger: MetricLogger
             if found is None:
                 raise FileNotFoundError(f"no readable checkpoint in {args.resume!r}")
             where, state = str(found[0]), found[1]
-    where = comm.broadcast_object(where, name="keras.ckpt_found")
+    if not skip:  # (a benchmark backend may have no broadcast)
+        where = comm.broadcast_object(where, name="keras.ckpt_found")
     if where is None and args.mode == "eval" and not args.eval_untrained:
         raise SystemExit(f"--mode eval needs a trained model: there is no checkpoint in "
                          f"--checkpoint_dir {args.checkpoint_dir}; give --resume PATH, or "

@@ -153,8 +153,11 @@ def _resume(args: argparse.Namespace, dist: Dist, logger: MetricLogger
             ) -> tuple[str | None, dict[str, Any] | None]:
     """What ``--resume`` restores: the checkpoint's path on every rank, its state on rank 0
     (None, None for a fresh start). ``--mode eval`` without one is an error unless
-    ``--eval_untrained``."""
+    ``--eval_untrained``. A benchmark starts fresh unless given a checkpoint (and writes
+    none)."""
     where, state = None, None
+    if args.resume == "auto" and args.mode == "training_benchmark":
+        return where, state
     if dist.is_root and args.resume != "none":
         if args.resume == "auto":
             found = checkpoint_dir(args.checkpoint_dir).newest(logger.print)
