@@ -269,20 +269,27 @@ def test_worker_ignoring_sigterm_is_killed(tmp_path: Path) -> None:
     _no_leftover_shm(tmp_path)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_signal_to_shoalrun_stops_the_job(tmp_path: Path, sig: signal.Signals) -> None:
-    proc = subprocess.Popen(_cmd("-np", "2", sys.executable, "-c", WORKER, "sleep",
-                                 str(tmp_path), "-1"),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=_env(), cwd=ROOT)
+def _signal_when_ready(d: Path, ready: str, sig: signal.Signals, *args: str
+                      ) -> tuple[subprocess.Popen[str], str]:
+    """Start shoalrun with ``args``; once both workers wrote a ``ready`` file in ``d``, send
+    it ``sig``; the process and its stderr when it has ended."""
+    proc = subprocess.Popen(_cmd(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=_env(), cwd=ROOT)
     try:
         deadline = time.monotonic() + 30
-        while len(list(tmp_path.glob("*.pids"))) < 2 and time.monotonic() < deadline:
+        while len(list(d.glob(ready))) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
         proc.send_signal(sig)
         _, err = proc.communicate(timeout=30)
     finally:
         proc.kill()
+    return proc, err
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_to_shoalrun_stops_the_job(tmp_path: Path, sig: signal.Signals) -> None:
+    proc, err = _signal_when_ready(tmp_path, "*.pids", sig, "-np", "2", sys.executable, "-c",
+                                   WORKER, "sleep", str(tmp_path), "-1")
     assert proc.returncode == 128 + sig, err
     assert f"shoalrun: received {sig.name}; stopped the job (2 running workers)" in err
     _assert_gone(_recorded_pids(tmp_path))
@@ -304,18 +311,9 @@ time.sleep(60)
 
 def test_sigterm_to_shoalrun_leaves_time_to_checkpoint(tmp_path: Path) -> None:
     """--stop-grace (30 s), not --kill-grace (5 s), when shoalrun itself is told to stop."""
-    proc = subprocess.Popen(_cmd("-np", "2", "--kill-grace", "0.5", sys.executable, "-c",
-                                 CHECKPOINTING, str(tmp_path), "2"),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=_env(), cwd=ROOT)
-    try:
-        deadline = time.monotonic() + 30
-        while len(list(tmp_path.glob("ready-*"))) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=30)
-    finally:
-        proc.kill()
+    proc, err = _signal_when_ready(tmp_path, "ready-*", signal.SIGTERM, "-np", "2",
+                                   "--kill-grace", "0.5", sys.executable, "-c", CHECKPOINTING,
+                                   str(tmp_path), "2")
     assert proc.returncode == 143, err
     assert "received SIGTERM; stopped the job (2 running workers, every one exited 0)" in err
     assert sorted(p.name for p in tmp_path.glob("ckpt-*")) == ["ckpt-0", "ckpt-1"]
