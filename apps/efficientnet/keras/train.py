@@ -32,6 +32,7 @@ from apps.efficientnet.config.variants import training_resolution
 from apps.efficientnet.dataloader.index import record_counts
 from apps.efficientnet.keras import checkpoint
 from apps.efficientnet.keras.comm import Comm, make_comm
+from apps.efficientnet.runtime.ckptdir import resume
 from apps.efficientnet.runtime.metrics import MetricLogger, latency_percentiles
 from apps.efficientnet.runtime.preempt import StopRequest
 
@@ -141,7 +142,7 @@ def _callback(keras: Any, tf: Any, comm: Comm, args: argparse.Namespace, logger:
 
         def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
             step = _iterations(self.model)
-            if stop(step):
+            if stop():
                 self.model.stop_training = True
                 logger.print(f"SIGTERM: every rank stopped after step {step}"
                              + ("; checkpointing" if _checkpoints(args) else ""))
@@ -188,35 +189,6 @@ def _iterations(model: Any) -> int:
 
 def _checkpoints(args: argparse.Namespace) -> bool:
     return bool(args.enable_checkpoint_and_export) and args.mode != "training_benchmark"
-
-
-def _resume(args: argparse.Namespace, comm: Comm, logger: MetricLogger
-            ) -> tuple[str | None, dict[str, Any] | None]:
-    """What ``--resume`` restores: its path on every rank, its state on rank 0. A benchmark
-    starts fresh unless given a checkpoint (and writes none)."""
-    where, state = None, None
-    skip = args.resume == "none" or (args.resume == "auto" and args.mode == "training_benchmark")
-    if comm.rank == 0 and not skip:
-        if args.resume == "auto":
-            found = checkpoint.keras_checkpoints(args.checkpoint_dir).newest(logger.print)
-            if found is not None:
-                where, state = str(found[0]), found[1]
-        else:
-            path = Path(args.resume)
-            found = checkpoint.keras_checkpoints(path).newest(logger.print) \
-                if path.is_dir() else (path, checkpoint._read(path))
-            if found is None:
-                raise FileNotFoundError(f"no readable checkpoint in {args.resume!r}")
-            where, state = str(found[0]), found[1]
-    if not skip:  # (a benchmark backend may have no broadcast)
-        where = comm.broadcast_object(where, name="keras.ckpt_found")
-    if where is None and args.mode == "eval" and not args.eval_untrained:
-        raise SystemExit(f"--mode eval needs a trained model: there is no checkpoint in "
-                         f"--checkpoint_dir {args.checkpoint_dir}; give --resume PATH, or "
-                         f"--eval_untrained to score a freshly initialised model on purpose")
-    if where is None and args.resume == "auto" and args.mode != "eval":
-        logger.print("no checkpoint to resume from: starting fresh")
-    return where, state
 
 
 def _policy(args: argparse.Namespace) -> str | None:
@@ -272,7 +244,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                           keras.metrics.TopKCategoricalAccuracy(5, name="top5")],
                       loss=keras.losses.CategoricalCrossentropy(
                           from_logits=True, label_smoothing=args.label_smoothing))
-    resumed, state = _resume(args, comm, logger)
+    resumed, state = resume(args, checkpoint.keras_checkpoints(args.checkpoint_dir),
+                            rank == 0, lambda where: comm.broadcast_object(
+                                where, name="keras.ckpt_found"), logger.print)
     start, step = 0, 0
     if resumed is not None:
         start, step = checkpoint.restore(model, state, resumed, comm)
@@ -299,7 +273,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if args.mode == "train_and_eval" and not args.skip_eval else None
     warmup = args.benchmark_warmup_steps if args.mode == "training_benchmark" else 1
     stop = StopRequest(lambda flag, name: float(comm.average([flag], name=name)[0]),
-                       args.stop_grace_s, logger.print)
+                       args.stop_grace_s)
     callbacks = [*comm.callbacks(),
                  *_callback(keras, tf, comm, args, logger, evaluation, summary, warmup, jit,
                             stop, steps)]

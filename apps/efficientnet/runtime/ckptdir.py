@@ -10,6 +10,7 @@ PyTorch and the Keras applications share it.
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import tempfile
@@ -17,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["CheckpointDir", "atomic_write", "checkpoint_name"]
+__all__ = ["CheckpointDir", "atomic_write", "checkpoint_name", "resume"]
 
 
 def checkpoint_name(step: int, suffix: str = ".pt") -> str:
@@ -84,6 +85,14 @@ class CheckpointDir:
             old.unlink(missing_ok=True)
         return path
 
+    def at(self, root: str | os.PathLike[str]) -> CheckpointDir:
+        """The checkpoints of the same format in another directory."""
+        return CheckpointDir(root, self.keep, self._write, self._read, self.suffix, self.legacy)
+
+    def read(self, path: str | os.PathLike[str]) -> Any:
+        """One checkpoint file's state."""
+        return self._read(Path(path))
+
     def newest(self, say: Callable[[str], None] = print) -> tuple[Path, Any] | None:
         """The newest checkpoint that reads whole, and its state; a newer one that does not
         (truncated, corrupt) is skipped, saying so. None when there is none."""
@@ -94,3 +103,42 @@ class CheckpointDir:
                 say(f"WARNING: checkpoint {path} is unreadable ({type(exc).__name__}: "
                     f"{str(exc)[:120]}); falling back to the one before it")
         return None
+
+
+def resume(args: argparse.Namespace, store: CheckpointDir, is_root: bool,
+           broadcast: Callable[[str | None], str | None],
+           say: Callable[[str], None]) -> tuple[str | None, Any]:
+    """What ``--resume`` restores, for either application: the checkpoint's path on every
+    rank (``broadcast`` from rank 0) and its state on rank 0; ``(None, None)`` for a fresh
+    start. ``auto`` looks in ``store`` (the checkpoint directory), a path is a file or a
+    directory, ``none`` and a benchmark's ``auto`` start fresh (a benchmark writes none).
+    ``--mode eval`` without a checkpoint stops, unless ``--eval_untrained``."""
+    where, state = None, None
+    skip = args.resume == "none" or (args.resume == "auto" and args.mode == "training_benchmark")
+    if is_root and not skip:
+        path = Path(args.resume)
+        if args.resume == "auto":
+            found = store.newest(say)
+        elif path.is_dir():
+            found = store.at(path).newest(say)
+            if found is None:
+                raise FileNotFoundError(f"no readable checkpoint in {args.resume!r}")
+        elif path.is_file():
+            found = path, store.read(path)
+        else:
+            raise FileNotFoundError(f"no checkpoint at {args.resume!r}")
+        if found is not None:
+            where, state = str(found[0]), found[1]
+    if not skip:  # (MultiWorkerMirrored's benchmark backend has no broadcast)
+        where = broadcast(where)
+    if where is None and args.mode == "eval":
+        if not args.eval_untrained:
+            raise SystemExit(f"--mode eval needs a trained model: there is no checkpoint in "
+                             f"--checkpoint_dir {args.checkpoint_dir}; give --resume PATH, or "
+                             f"--eval_untrained to score a freshly initialised model on "
+                             f"purpose")
+        say("WARNING: --eval_untrained: scoring an UNTRAINED, randomly initialised model (no "
+            "checkpoint); expect chance accuracy")
+    elif where is None and args.resume == "auto" and not skip:
+        say("no checkpoint to resume from: starting fresh")
+    return where, state

@@ -34,9 +34,8 @@ def ignore_sigterm(_worker_id: int = 0) -> None:
 class StopRequest:
     """SIGTERM recorded, and agreed on by the ranks at step boundaries."""
 
-    def __init__(self, agree: Callable[[float, str], float], grace_s: float = 30.0,
-                 say: Callable[[str], None] = print) -> None:
-        self.agree, self.grace_s, self.say = agree, grace_s, say
+    def __init__(self, agree: Callable[[float, str], float], grace_s: float = 30.0) -> None:
+        self.agree, self.grace_s = agree, grace_s
         self.signalled_at: float | None = None
         self.stopped = False
         self._done = threading.Event()
@@ -56,10 +55,13 @@ class StopRequest:
                   f"exiting without a checkpoint", file=sys.stderr, flush=True)
             os._exit(128 + signal.SIGTERM)
 
-    def __call__(self, step: int) -> bool:
-        """Whether every rank stops after ``step`` (every rank calls it at every step)."""
+    def __call__(self) -> bool:
+        """Whether every rank stops after this step (every rank calls it at every step
+        boundary)."""
         wanted = 1.0 if self.signalled_at is not None else 0.0
-        if self.agree(wanted, f"efficientnet.stop.{step}") > 0:
+        # one name for every step: a name used before completes in one round (the name
+        # cache); a new one per step would be negotiated in full every step
+        if self.agree(wanted, "efficientnet.stop") > 0:
             self.stopped = True
         return self.stopped
 

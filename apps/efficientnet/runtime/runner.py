@@ -26,7 +26,8 @@ import torch
 from apps.efficientnet.config.flags import LR_BATCH_BASE
 from apps.efficientnet.dataloader import Preprocess, build_dataset, make_loader
 from apps.efficientnet.dataloader.index import Team
-from apps.efficientnet.runtime.checkpoint import checkpoint_dir, load_checkpoint
+from apps.efficientnet.runtime.checkpoint import checkpoint_dir
+from apps.efficientnet.runtime.ckptdir import resume
 from apps.efficientnet.runtime.distributed import (
     Dist,
     average,
@@ -94,7 +95,7 @@ def train_epoch(tr: Trainer, batches: Iterator[tuple[torch.Tensor, torch.Tensor]
     bar.update(first)
     lr = 0.0
     for i in range(first, tr.steps_per_epoch):
-        if stop is not None and stop(tr.step):
+        if stop is not None and stop():
             break
         t0 = time.perf_counter()
         s = train_step(tr, [next(batches) for _ in range(args.grad_accum_steps)])
@@ -149,37 +150,6 @@ def save(tr: Trainer) -> Path | None:
     return None
 
 
-def _resume(args: argparse.Namespace, dist: Dist, logger: MetricLogger
-            ) -> tuple[str | None, dict[str, Any] | None]:
-    """What ``--resume`` restores: the checkpoint's path on every rank, its state on rank 0
-    (None, None for a fresh start). ``--mode eval`` without one is an error unless
-    ``--eval_untrained``. A benchmark starts fresh unless given a checkpoint (and writes
-    none)."""
-    where, state = None, None
-    if args.resume == "auto" and args.mode == "training_benchmark":
-        return where, state
-    if dist.is_root and args.resume != "none":
-        if args.resume == "auto":
-            found = checkpoint_dir(args.checkpoint_dir).newest(logger.print)
-            if found is not None:
-                where, state = str(found[0]), found[1]
-        else:
-            where, state = args.resume, load_checkpoint(args.resume)
-    if dist.size > 1:
-        where = dist.hvd.broadcast_object(where, root_rank=0, name="efficientnet.ckpt_found")
-    if where is None and args.mode == "eval":
-        if not args.eval_untrained:
-            raise SystemExit(f"--mode eval needs a trained model: there is no checkpoint in "
-                             f"--checkpoint_dir {args.checkpoint_dir}; give --resume PATH, or "
-                             f"--eval_untrained to score a freshly initialised model on "
-                             f"purpose")
-        logger.print("WARNING: --eval_untrained: scoring an UNTRAINED, randomly initialised "
-                     "model (no checkpoint); expect chance accuracy")
-    elif where is None and args.resume == "auto":
-        logger.print("no checkpoint to resume from: starting fresh")
-    return where, state
-
-
 def _run(args: argparse.Namespace, dist: Dist) -> dict[str, Any]:
     if args.intraop_threads:
         torch.set_num_threads(args.intraop_threads)
@@ -207,7 +177,11 @@ def _run(args: argparse.Namespace, dist: Dist) -> dict[str, Any]:
                  f"{'torch.compile' if args.use_xla else 'eager'}")
     logger.print(f"peak lr {tr.schedule.base_lr:.4g} = --lr_init {args.lr_init:g} x "
                  f"{global_batch} / {LR_BATCH_BASE} (NVIDIA's rule)")
-    resumed, state = _resume(args, dist, logger)
+    resumed, state = resume(
+        args, checkpoint_dir(args.checkpoint_dir), dist.is_root,
+        lambda where: dist.hvd.broadcast_object(where, root_rank=0,
+                                                name="efficientnet.ckpt_found")
+        if dist.size > 1 else where, logger.print)
     if resumed is not None:
         restore_trainer(tr, state)
         logger.print(f"resumed from {resumed}: epoch {tr.epoch}, step {tr.step}")
@@ -238,7 +212,7 @@ def _run(args: argparse.Namespace, dist: Dist) -> dict[str, Any]:
         benchmark = args.mode == "training_benchmark"
         start = time.perf_counter()
         stop = StopRequest(lambda flag, name: average([flag], name=name)[0],
-                           args.stop_grace_s, logger.print)
+                           args.stop_grace_s)
         try:
             summary = _train(args, tr, batches, logger, benchmark, eval_loader, stop)
         finally:

@@ -332,9 +332,10 @@ class Engine(SmallPath):
             # numbering, all in this same round
             self.epoch += 1
         self._last[d.ran_ids] = self.rounds  # vectorised: no per-tensor Python in steady state
-        for req in reqs:
-            if req.name in d.missing:
-                req.missing = d.missing[req.name]
+        if d.missing:  # (none in steady state: no per-request Python there)
+            for req in reqs:
+                if req.name in d.missing:
+                    req.missing = d.missing[req.name]
         return d.order, d.extras, d.refused
 
     # -- join --------------------------------------------------------------------------------
