@@ -53,7 +53,8 @@ def test_common_util() -> None:
     from shoal.core.errors import PeerLostError
 
     assert HorovodInternalError is PeerLostError
-    assert util.gloo_built() and not util.mpi_built()
+    assert util.gloo_built() and util.gloo_enabled()
+    assert not (util.mpi_built() or util.mpi_enabled())
     assert bool(util.nccl_built()) is (torch.cuda.is_available()
                                        and torch.distributed.is_nccl_available())
     assert util.extension_available("torch") and not util.extension_available("mxnet")

@@ -33,6 +33,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
 
+from shoal._launchers import RANK_AND_SIZE_VARS
+
 __all__ = ["BOOT_DIR", "ENV_VAR", "KINDS", "active", "environment", "install", "parse_kinds",
            "uninstall", "worker_environment"]
 
@@ -139,8 +141,7 @@ def worker_environment(env: Mapping[str, str]) -> dict[str, str]:
 def _say_what_is_shadowed(finder: AliasFinder) -> None:
     """An installed package of an aliased name is not what the script gets: say so, once per
     job (on its first rank) rather than once per process."""
-    rank = next((os.environ[v] for v in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK",
-                                         "RANK", "SLURM_PROCID") if v in os.environ), "0")
+    rank = next((os.environ[r] for r, _ in RANK_AND_SIZE_VARS if r in os.environ), "0")
     if rank != "0" or os.environ.get("_SHOAL_AS_SAID"):
         return
     for root in {alias.split(".")[0] for alias in finder.table}:

@@ -24,8 +24,8 @@ from .exceptions import HorovodVersionMismatchError, get_version_mismatch_messag
 
 __all__ = ["EXTENSIONS", "ccl_built", "check_installed_version", "ddl_built", "env",
            "extension_available", "get_average_backwards_compatibility_fun", "gloo_built",
-           "gpu_available", "is_iterable", "is_version_greater_equal_than", "mpi_built",
-           "nccl_built", "num_rank_is_power_2", "split_list"]
+           "gloo_enabled", "gpu_available", "is_iterable", "is_version_greater_equal_than",
+           "mpi_built", "mpi_enabled", "nccl_built", "num_rank_is_power_2", "split_list"]
 
 #: Horovod's extension names; shoal has adapters for the first two
 EXTENSIONS = ["tensorflow", "torch", "mxnet"]
@@ -63,6 +63,16 @@ def mpi_built(verbose: bool = False) -> bool:
 def gloo_built(verbose: bool = False) -> bool:
     """True: shoal plays gloo's part."""
     return build_info.gloo_built()
+
+
+def mpi_enabled(verbose: bool = False) -> bool:
+    """False: shoal runs no MPI."""
+    return build_info.mpi_enabled()
+
+
+def gloo_enabled(verbose: bool = False) -> bool:
+    """True: shoal runs as Horovod does under gloo."""
+    return build_info.gloo_enabled()
 
 
 def nccl_built(verbose: bool = False) -> int:

@@ -97,6 +97,12 @@ def bind(world: Communicator, static: Sequence[ProcessSet | Sequence[int]] = ())
             add_process_set(ps)
 
 
+def _valid(ranks: Sequence[int], size: int) -> bool:
+    """Whether ``ranks`` are distinct ranks of a job of ``size`` (and not none)."""
+    return bool(ranks) and len(set(ranks)) == len(ranks) and \
+        all(isinstance(r, int) and 0 <= r < size for r in ranks)
+
+
 def check_static(static: Sequence[ProcessSet | Sequence[int]], size: int, rank: int) -> None:
     """Refuse, before ``init`` builds anything, a list of static sets that :func:`bind` would
     refuse halfway: ranks outside ``0..size-1``, an empty or repeated rank, a set given twice
@@ -104,8 +110,7 @@ def check_static(static: Sequence[ProcessSet | Sequence[int]], size: int, rank: 
     seen = [list(range(size))]
     for i, ps in enumerate(static):
         ranks = ps.ranks if isinstance(ps, ProcessSet) else sorted(ps)
-        if not ranks or len(set(ranks)) != len(ranks) or \
-                not all(isinstance(r, int) and 0 <= r < size for r in ranks):
+        if not _valid(ranks, size):
             raise ValueError(f"rank {rank}: process_sets entry {i} ({ranks}) must hold distinct "
                              f"ranks of the job (0..{size - 1})")
         if ranks in seen:
@@ -149,8 +154,7 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
     with _lock:
         world = _world()
-        bad = [r for r in ps.ranks if not 0 <= r < world.size]
-        if bad or len(set(ps.ranks)) != len(ps.ranks) or not ps.ranks:
+        if not _valid(ps.ranks, world.size):
             raise ValueError(f"rank {world.rank}: process set ranks {ps.ranks} must be distinct "
                              f"ranks of the job (0..{world.size - 1})")
         if any(other.ranks == ps.ranks for other in _sets.values()):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import re
 
+from shoal._launchers import RANK_AND_SIZE_VARS
+
 from . import secret
 
 __all__ = ["IGNORE_REGEXES", "LOG_LEVEL_STR", "RANK_AND_SIZE_VARS", "get_env_rank_and_size",
@@ -18,14 +20,6 @@ IGNORE_REGEXES = {"BASH_FUNC_.*", "OLDPWD", ".*CUDA_VISIBLE_DEVICES", secret.HOR
 def is_exportable(name: str) -> bool:
     """Whether a launcher forwards the variable ``name`` to remote workers."""
     return not any(re.match(pattern, name) for pattern in IGNORE_REGEXES)
-
-
-#: (rank, size) variables of the launchers, in Horovod's order, then torchrun's and SLURM's
-RANK_AND_SIZE_VARS = (("HOROVOD_RANK", "HOROVOD_SIZE"),  # horovodrun, shoalrun
-                      ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),  # Open MPI
-                      ("PMI_RANK", "PMI_SIZE"),  # MPICH, Intel MPI
-                      ("RANK", "WORLD_SIZE"),  # torchrun
-                      ("SLURM_PROCID", "SLURM_NTASKS"))
 
 
 def get_env_rank_and_size() -> tuple[int, int]:
