@@ -72,11 +72,11 @@ def _fusion(rank: int) -> tuple[int, int]:
     import shoal
     engine = shoal.communicator().engine
     xs = [np.full(100 + i, rank + 1.0, np.float32) for i in range(50)]
-    before = engine._buffers
+    before = engine.executor.buffers
     handles = [shoal.allreduce_async(x, name=f"g{i}", op=shoal.Sum) for i, x in enumerate(xs)]
     for i, h in enumerate(handles):
         np.testing.assert_array_equal(h.wait(), np.full(100 + i, 3.0, np.float32))
-    return engine._buffers - before, engine.rounds
+    return engine.executor.buffers - before, engine.rounds
 
 
 def test_ready_tensors_are_fused() -> None:

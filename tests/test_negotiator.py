@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from shoal.core.engine.negotiator import JOINED, STUCK, decide, encode
 from shoal.core.errors import CollectiveMismatchError, ShoalError
-from shoal.core.negotiator import JOINED, STUCK, decide, encode
 
 AR = "allreduce float32 (4,) Sum none"
 AR8 = "allreduce float32 (8,) Sum none"

@@ -158,7 +158,7 @@ def _many_unnamed(rank: int, calls: int) -> tuple[int, int]:
         if i % 1000 == 0:  # named ones interleaved stay correct across evictions
             assert shoal.allreduce(np.ones(2), shoal.Sum, name="named").tolist() == \
                 [shoal.size()] * 2
-    return len(engine._by_id), len(engine._last)
+    return len(engine.names.by_id), len(engine.names.last)
 
 
 def test_name_cache_stays_bounded_after_10000_unnamed_calls() -> None:

@@ -55,7 +55,7 @@ def test_reducescatter_across_hosts_matches_numpy(n: int, hosts) -> None:
 
 def _bytes_on_tcp(rank: int) -> tuple[int, int]:
     import shoal
-    mesh = shoal.communicator().engine.comm.mesh
+    mesh = shoal.communicator().engine.transport.mesh
     sent = [0]
     exchange = mesh.exchange
 

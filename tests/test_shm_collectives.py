@@ -25,7 +25,7 @@ def _data(tag: str, rank: int, shape: tuple[int, ...], dtype: str) -> np.ndarray
 def _collectives(rank: int, forbid_tcp: bool) -> str:
     import shoal
     n = shoal.size()
-    comm = shoal.communicator().engine.comm
+    comm = shoal.communicator().engine.transport
     if forbid_tcp and comm.mesh is not None:
         def no_tcp(*_a, **_k):
             raise AssertionError("data went over TCP on one host")

@@ -1,4 +1,4 @@
-"""The one-round path for small allreduces (:mod:`shoal.core.small`): against numpy at 2, 3
+"""The one-round path for small allreduces (:mod:`shoal.core.engine.small`): against numpy at 2, 3
 and 4 ranks for every dtype and op, odd and empty lengths, up to and past the size limit,
 results bitwise identical on every rank; and each way a round can fail to agree (another
 request pending, a rank late, a changed shape, different names, a joined rank), after

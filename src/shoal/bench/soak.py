@@ -247,7 +247,7 @@ def worker_main(argv: Sequence[str]) -> None:
         soak.step(i)
         if i + 1 == warm:
             soak.flush()
-            start = {"rss": _rss_bytes(), "cache": len(engine._by_id)}
+            start = {"rss": _rss_bytes(), "cache": len(engine.names)}
         if i + 1 >= warm and (i + 1 - warm) % max(1, (args.ops - warm) // 10) == 0:
             samples.append(_rss_bytes())  # the trend after the warm-up, eleven points
     soak.flush()
@@ -256,7 +256,7 @@ def worker_main(argv: Sequence[str]) -> None:
     mine = {"rank": soak.rank, "mismatches": soak.mismatches[:20],
             "mismatch_count": len(soak.mismatches), "errors_injected": soak.errors_seen,
             "rss_start": start.get("rss", 0), "rss_end": _rss_bytes(), "rss_samples": samples,
-            "cache_start": start.get("cache", 0), "cache_end": len(engine._by_id),
+            "cache_start": start.get("cache", 0), "cache_end": len(engine.names),
             "cache_limit": engine.cfg.name_cache_size, "counts": soak.counts,
             "small_rounds": engine.small_rounds, "rounds": engine.rounds,
             "algorithm": shoal.communicator().algorithm}

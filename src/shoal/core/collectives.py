@@ -207,7 +207,7 @@ class Collectives:
         ``out`` is given (``out=array`` reduces in place).
 
         Up to ``SHOAL_SMALL_MESSAGE_BYTES`` on one host, a name seen before completes in
-        one synchronisation round (:mod:`shoal.core.small`)."""
+        one synchronisation round (:mod:`shoal.core.engine.small`)."""
         if compression is Compression.none and self.engine.small_bytes:
             op = op if type(op) is ReduceOp else ReduceOp(op)
             args = self._allreduce_args(array, op, name, out, compression, bf16)

@@ -105,6 +105,28 @@ class Transport:
                            [(p, memoryview(bufs[p])) for p in peers], what=what)
         return [blob if p == self.rank else bytes(bufs[p]) for p in group]
 
+    # -- the one-round path (:mod:`shoal.core.engine.small`) -------------------------------
+    @property
+    def one_round_ready(self) -> bool:
+        """Whether a payload can ride with a negotiation round: every rank on this host,
+        reducing through shared memory (local order is then rank order)."""
+        return self.algorithm == "shm"
+
+    def one_round_room(self, head_bytes: int) -> int:
+        """The payload bytes that fit behind a proposal of ``head_bytes``."""
+        return self.shm.chunk_bytes - self.shm.payload_offset(head_bytes)
+
+    def one_round(self, blob: bytes, token: int, payload: np.ndarray,
+                  what: str) -> list[np.ndarray] | None:
+        """A negotiation round carrying ``payload``: every rank's payload (by rank) when every
+        rank proposed the same ``blob`` (named by ``token``), else None, and the round must
+        be finished with :meth:`one_round_blobs`."""
+        return self.shm.small_round(blob, token, payload, what)
+
+    def one_round_blobs(self, blob: bytes, what: str) -> list[bytes]:
+        """Every rank's proposal of a one-round attempt that did not agree."""
+        return self.shm.round_blobs(blob, what)
+
     # -- data ------------------------------------------------------------------------------
     def allreduce(self, srcs: Sequence[np.ndarray], dsts: Sequence[np.ndarray], op: ReduceOp,
                   dtype: str, codec: Codec, what: str,

@@ -121,7 +121,7 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         if not use_batch or not shoal.is_initialized() or shoal.size() == 1:
             return super().forward(x)
         # the same name every step: after the first, the statistics of a layer travel in
-        # one synchronisation round (shoal.core.small), the payload riding with the
+        # one synchronisation round (shoal.core.engine.small), the payload riding with the
         # negotiation (a name new each call was negotiated in full every time)
         name = self._collective_name()
         out, mean, unbiased = _SyncBN.apply(x, self.weight, self.bias, self.eps, name)

@@ -7,7 +7,7 @@ gathered proposals and the name cache: no threads, sockets or engine state, so e
 given the same proposals and the same cache, computes the same :class:`Decision`: the names
 to run now (in cache order), names the ranks disagree on (refused with the error to raise),
 names new to the cache, and what each pending request still waits for. The engine applies
-it (:mod:`shoal.core.engine`).
+it (:mod:`.loop`).
 
 Cached names are compared as bit vectors (one vectorised AND), so the steady-state cost does
 not grow with the number of tensors in Python; only new or changed names are compared one by
@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import CollectiveMismatchError, ShoalError
+from ..errors import CollectiveMismatchError, ShoalError
 from .requests import mismatch_message
 
 __all__ = ["FAST", "HEAD", "JOINED", "STUCK", "Decision", "decide", "encode"]

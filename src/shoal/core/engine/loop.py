@@ -1,4 +1,4 @@
-"""The background engine: named requests in, fused and ordered collectives out.
+"""The engine's loop: named requests in, fused and ordered collectives out.
 
 Framework hooks and the API ``submit`` requests and get a future back at once. Progress is
 made in *rounds*, each a collective of its own: every rank proposes what it has pending, all
@@ -17,12 +17,17 @@ Rounds run on the background thread (so communication overlaps the caller's comp
 or, for synchronous calls, on the caller's own thread when it is free: no thread hand-off on
 the latency path. A request missing on some ranks for ``SHOAL_STALL_WARNING_S`` is reported
 with its name and those ranks; with ``SHOAL_STALL_SHUTDOWN_S`` it then fails.
+
+The loop ties the engine's parts together: the :mod:`.negotiator` decides a round, the
+:mod:`.names` cache remembers agreed names, the :mod:`.stalls` inspector watches waits, the
+:mod:`.executor` fuses and runs what was decided, and the :mod:`.small` path runs a cached
+small allreduce in one round. The loop owns what they share: the pending requests, the round
+lock, join, and the failure that stops the engine.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -31,56 +36,62 @@ from typing import Any
 
 import numpy as np
 
-from .comm import Transport
-from .config import Config
-from .errors import CollectiveMismatchError, PeerLostError, ShoalError, ShoalTimeoutError
-from .negotiator import FAST, JOINED, STUCK, decide, encode
+from ..comm import Transport
+from ..config import Config
+from ..errors import CollectiveMismatchError, PeerLostError, ShoalError
+from ..ops import ReduceOp
+from ..timeline import Timeline
+from .executor import Executor
+from .names import NameCache
+from .negotiator import JOINED, STUCK, decide, encode
 from .neutral import neutral_allreduce, parse_allreduce_desc
-from .ops import ReduceOp
-from .requests import _PER_CALL, Kind, Request, mismatch_message
+from .requests import Kind, Request
 from .small import SmallPath
-from .timeline import Timeline
+from .stalls import StallInspector
 
-__all__ = ["Engine", "Kind", "Request", "mismatch_message"]
+__all__ = ["Engine"]
 
 log = logging.getLogger("shoal.engine")
 
 
-class Engine(SmallPath):
+class Engine:
     """Negotiates, orders, fuses and runs this process's collectives."""
 
-    def __init__(self, comm: Transport, cfg: Config,
+    def __init__(self, transport: Transport, cfg: Config,
                  explain: Callable[[PeerLostError, Callable[[], None]], PeerLostError]
                  | None = None, *, timeline: Timeline | None = None) -> None:
-        self.comm = comm
+        self.transport = transport
         self._explain = explain
         self.cfg = cfg
-        self.rank = comm.rank
-        self.size = comm.size
+        self.rank = transport.rank
+        self.size = transport.size
         self.timeline = timeline
+        self.names = NameCache(cfg.name_cache_size)
+        self.stalls = StallInspector(cfg, self.rank)
+        self.executor = Executor(transport, cfg, timeline)
+        self.small = SmallPath(transport, self.names, cfg, enabled=timeline is None)
         self._cv = threading.Condition()
         self._pending: dict[str, Request] = {}
         self._inflight: list[Request] = []
-        self._cache: dict[str, tuple[int, str]] = {}  # name -> (id, desc), same on all ranks
-        self._by_id: list[str] = []
-        # per cache id: the round the name last ran in (same on all ranks), for eviction
-        self._last = np.zeros(0, np.int64)
-        self._run = threading.Lock()
+        self._run = threading.Lock()  # held by the thread running a round
         self._broken: BaseException | None = None
         self._stopping = False
-        self._buffers = 0
         self.rounds = 0
         self.epoch = 0  # bumped (on every rank alike) when ranks were found diverged
         self._join: Request | None = None  # this rank's join() in progress
         self._join_seen: dict[int, int] = {}  # rank -> round it was first seen joined
-        self._small_heads: dict[int, tuple[bytes, int]] = {}
-        # threads blocked in wait() -> since when: only a rank blocked on a collective is
-        # stuck; one holding a pending request while it computes is not
-        self._blocked: dict[int, float] = {}
-        self.small_bytes = self.small_limit()
-        self.small_rounds = 0
         self._thread = threading.Thread(target=self._loop, name="shoal-engine", daemon=True)
         self._thread.start()
+
+    @property
+    def small_bytes(self) -> int:
+        """The largest allreduce the one-round path takes here (0: none)."""
+        return self.small.limit
+
+    @property
+    def small_rounds(self) -> int:
+        """Collectives completed by the one-round path."""
+        return self.small.rounds
 
     # -- submission ------------------------------------------------------------------------
     def submit(self, req: Request, wake: bool = True) -> Future:
@@ -133,15 +144,8 @@ class Engine(SmallPath):
         device waits and reductions, which a caller such as autograd's thread must not."""
         if future.done():
             return future.result()
-        token = threading.get_ident()
-        outer = token in self._blocked  # a done-callback waiting inside a wait
-        if not outer:
-            self._blocked[token] = time.perf_counter()
-        try:
+        with self.stalls.blocking():
             return self._wait(future, timeout, timeout is None if drive is None else drive)
-        finally:
-            if not outer:
-                self._blocked.pop(token, None)
 
     def _wait(self, future: Future, timeout: float | None, drive: bool) -> Any:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -202,13 +206,13 @@ class Engine(SmallPath):
         if self._broken is None:
             if isinstance(exc, PeerLostError) and self._explain and not self._stopping:
                 # name the rank that died, not its messenger (aborts once it has reported)
-                exc = self._explain(exc, self.comm.abort)
-            self.comm.abort()  # peers waiting on us learn at once
+                exc = self._explain(exc, self.transport.abort)
+            self.transport.abort()  # peers waiting on us learn at once
             self._broken = exc
             if not self._stopping:
                 log.error("rank %d: collective failed: %s", self.rank, exc)
         else:
-            self.comm.abort()
+            self.transport.abort()
             exc = self._broken
         with self._cv:
             pending, self._pending = list(self._pending.values()), {}
@@ -223,7 +227,7 @@ class Engine(SmallPath):
         with self._cv:
             self._stopping = True
             self._cv.notify_all()
-        self.comm.abort()
+        self.transport.abort()
         self._thread.join(timeout=5.0)
         with self._cv:
             pending, self._pending = list(self._pending.values()), {}
@@ -236,36 +240,37 @@ class Engine(SmallPath):
 
     # -- one round -------------------------------------------------------------------------
     def _proposal(self, reqs: Sequence[Request]) -> bytes:
-        bits = np.zeros(len(self._by_id), bool)
-        new = []
-        oldest = math.inf  # when the longest-waiting request was submitted
-        for req in reqs:
-            oldest = min(oldest, req.enqueued)
-            cached = self._cache.get(req.name)
-            if cached is not None and cached[1] == req.desc and req.kind not in _PER_CALL:
-                bits[cached[0]] = True
-            else:
-                new.append([req.name, req.desc, req.extra])
-        since = min(self._blocked.values(), default=math.inf)
-        limit = time.perf_counter() - self.cfg.stall_warning_s
-        flags = STUCK if oldest < limit and since < limit else 0
+        bits, new = self.names.split(reqs)
+        flags = STUCK if self.stalls.stuck(reqs) else 0
         if self._join is not None:
             flags |= JOINED
         return encode(bits, new, flags)
 
-    def _proposal_of(self, cache_id: int, token: int) -> tuple[bytes, int]:
-        """The proposal of exactly the cached name ``cache_id`` with a payload riding along
-        (the small path's; its ``token`` says which: (cache size << 32) | id), and the
-        payload bytes that fit behind it; the same on every rank that proposes the same."""
-        n_cached = token >> 32
-        if len(self._small_heads) > 4096:
-            self._small_heads.clear()
-        bits = np.zeros(n_cached, bool)
-        bits[cache_id] = True
-        blob = encode(bits, [], FAST)
-        room = self.comm.shm.chunk_bytes - self.comm.shm.payload_offset(len(blob))
-        self._small_heads[token] = blob, room
-        return blob, room
+    def allreduce_small(self, name: str, desc: str, src: np.ndarray, dst: np.ndarray,
+                        op: ReduceOp, dtype: str) -> bool:
+        """Run a synchronous allreduce in one round (:mod:`.small`) if it qualifies; False
+        (nothing done, nothing sent) if it does not, and the caller takes the general
+        path."""
+        if self._pending or self._join is not None:
+            return False
+        head = self.small.head(name, desc, src.nbytes)
+        if head is None or not self._run.acquire(blocking=False):  # (a round is running)
+            return False
+        try:
+            if self._pending or self._broken is not None or self._stopping:
+                return False
+            self.rounds += 1
+            blobs = self.small.run(head, src, dst, op, dtype, self.rounds)
+            if blobs is None:
+                return True
+            future = self._adopt(name, src, dst, dtype, desc, op, blobs)
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+        finally:
+            self._run.release()
+        self.wait(future)  # ran in the round, or pending: the general path from here
+        return True
 
     def _adopt(self, name: str, src: np.ndarray, dst: np.ndarray, dtype: str, desc: str,
                op: ReduceOp, blobs: list[bytes]) -> Future:
@@ -286,7 +291,7 @@ class Engine(SmallPath):
         with self._cv:
             reqs = list(self._pending.values())
         t0 = time.perf_counter()
-        blobs = self.comm.gather_all(self._proposal(reqs), "negotiation round")
+        blobs = self.transport.gather_all(self._proposal(reqs), "negotiation round")
         self.rounds += 1
         return self._settle(blobs, reqs, t0, time.perf_counter())
 
@@ -304,8 +309,8 @@ class Engine(SmallPath):
             self._inflight = runnable  # failed by _fail if the collectives below fail
         for req in failed:  # found before any data moved: this engine carries on
             req.future.set_exception(refused[req.name])
-        self._execute(runnable, extras, t0, t1)
-        self._evict()
+        self.executor.run(runnable, extras, t0, t1, self.rounds)
+        self.names.evict()
         self._inflight = []
         joined = self._join_complete()
         return bool(runnable) or joined
@@ -315,23 +320,16 @@ class Engine(SmallPath):
         """The negotiator's decision on every rank's proposals (:func:`.negotiator.decide`,
         the same on all ranks), applied to this engine: the name cache, the use rounds, join
         and the numbering epoch; the names to run in order, their extras and the refused."""
-        d = decide(blobs, self._by_id, self._cache, rank=self.rank,
+        d = decide(blobs, self.names.by_id, self.names.entries, rank=self.rank,
                    pending=[r.name for r in reqs], stall_warning_s=self.cfg.stall_warning_s)
         for r in d.joined:
             self._join_seen.setdefault(r, self.rounds)
-        for name, desc in d.adopted.items():
-            self._cache[name] = (self._cache[name][0], desc)
-        for name, desc in d.fresh:
-            self._cache[name] = (len(self._by_id), desc)
-            self._by_id.append(name)
-        if d.fresh:
-            self._last = np.concatenate([self._last, np.zeros(len(d.fresh), np.int64)])
+        self.names.apply(d, self.rounds)
         if d.refused:
             # ranks that diverged (or made calls another rank did not, as around join()) have
             # their unnamed collectives numbered out of step: every rank starts a new
             # numbering, all in this same round
             self.epoch += 1
-        self._last[d.ran_ids] = self.rounds  # vectorised: no per-tensor Python in steady state
         if d.missing:  # (none in steady state: no per-request Python there)
             for req in reqs:
                 if req.name in d.missing:
@@ -357,7 +355,7 @@ class Engine(SmallPath):
 
     def _neutral(self, name: str) -> Request:
         """The request a joined rank contributes to ``name`` (an allreduce)."""
-        desc = self._cache[name][1]
+        desc = self.names.desc(name)
         shape, dtype, op, codec = parse_allreduce_desc(desc)  # type: ignore[misc]
         array = neutral_allreduce(shape, dtype, op)
         return Request(Kind.ALLREDUCE, name, array, np.empty_like(array), dtype, desc, op=op,
@@ -373,124 +371,10 @@ class Engine(SmallPath):
         req.future.set_result(last)
         return True
 
-    # -- the bounded name cache ------------------------------------------------------------
-    def _evict(self) -> None:
-        """Forget the least recently used names once the cache is over its size, down to
-        three quarters of it. Every rank holds the same cache and the same use rounds, and
-        evicts here after the same round, so the caches stay identical; a forgotten name is
-        simply negotiated in full again."""
-        limit = max(16, self.cfg.name_cache_size)
-        if len(self._by_id) <= limit:
-            return
-        ids = np.arange(len(self._by_id))
-        # most recently used last, ties by id: the same order on every rank
-        keep = np.sort(np.lexsort((ids, self._last))[-(limit * 3 // 4):])
-        self._by_id = [self._by_id[i] for i in keep]
-        self._cache = {nm: (i, self._cache[nm][1]) for i, nm in enumerate(self._by_id)}
-        self._last = self._last[keep]
-
-    # -- execution -------------------------------------------------------------------------
-    def _execute(self, reqs: Sequence[Request], extras: dict, t0: float, t1: float) -> None:
-        threshold = self.cfg.fusion_threshold
-        buckets: dict[tuple, list[Request]] = {}  # open fusion buffer per (dtype, op, codec)
-        filled: dict[tuple, int] = {}
-        for req in reqs:
-            if req.kind is not Kind.ALLREDUCE:
-                self._run_single(req, extras.get(req.name, {}), t0, t1)
-                continue
-            key = (req.dtype, req.op, req.codec.name)
-            if key in buckets and filled[key] + req.array.nbytes > threshold:
-                self._run_fused(buckets.pop(key), t0, t1)
-            if key not in buckets:
-                buckets[key], filled[key] = [], 0
-            buckets[key].append(req)
-            filled[key] += req.array.nbytes
-        for bucket in buckets.values():
-            self._run_fused(bucket, t0, t1)
-
-    def _run_fused(self, bucket: list[Request], t0: float, t1: float) -> None:
-        first = bucket[0]
-        self._buffers += 1
-        what = f"allreduce of {first.name!r}" + (f" and {len(bucket) - 1} more fused"
-                                                 if len(bucket) > 1 else "")
-        phases: dict[str, float] | None = {} if self.timeline else None
-        for req in bucket:
-            req.make_ready()
-        start = time.perf_counter()
-        self.comm.allreduce([r.array for r in bucket], [r.out for r in bucket], first.op,
-                            first.dtype, first.codec, what, phases)
-        end = time.perf_counter()
-        for req in bucket:
-            req.future.set_result(req.out if req.result is None else req.result)
-        if self.timeline is not None:
-            nbytes = sum(r.array.nbytes for r in bucket)
-            for req in bucket:
-                self._trace(req, t0, t1, start, end, phases, fusion_buffer=self._buffers,
-                            tensors=len(bucket), bytes=nbytes)
-            self.timeline.span("fusion buffers", "ALLREDUCE", start, end,
-                               buffer=self._buffers, tensors=[r.name for r in bucket],
-                               bytes=nbytes)
-
-    def _run_single(self, req: Request, extra: dict[int, Any], t0: float, t1: float) -> None:
-        what = f"{req.kind.value} of {req.name!r}"
-        req.make_ready()
-        start = time.perf_counter()
-        comm = self.comm
-        if req.kind is Kind.BROADCAST:
-            if req.out is not req.array:
-                np.copyto(req.out, req.array)
-            comm.broadcast(req.out, req.root, what)
-            result: Any = req.out if req.result is None else req.result
-        elif req.kind is Kind.REDUCESCATTER:
-            comm.reducescatter(req.array, req.out, req.extra, req.op, req.dtype, what)
-            result = req.out if req.result is None else req.result
-        elif req.kind is Kind.ALLGATHER:
-            rows = [int(extra[r]) for r in range(self.size)]
-            misfit = req.out is not None and req.out.shape[0] != sum(rows)
-            out = req.out if req.out is not None and not misfit else \
-                np.empty((sum(rows), *req.trailing), req.array.dtype)
-            comm.allgather(req.array.reshape(rows[self.rank], *req.trailing), rows, out, what)
-            result = out
-            if misfit:  # found once every rank's rows were known: the data moved anyway (the
-                # others need this rank's rows), but only into a buffer of its own
-                req.future.set_exception(ValueError(
-                    f"rank {self.rank}: allgather output for {req.name!r} has "
-                    f"{req.out.shape[0]} rows; the ranks sent {sum(rows)} ({rows})"))
-                return
-        else:  # ALLTOALL
-            recv = [int(extra[r][self.rank]) for r in range(self.size)]
-            out = np.empty((sum(recv), *req.trailing), req.array.dtype)
-            comm.alltoall(req.array.reshape(sum(req.extra), *req.trailing), req.extra, recv, out,
-                          what, [extra[r] for r in range(self.size)])
-            result = (out, np.asarray(recv, np.int64))
-        req.future.set_result(result)
-        if self.timeline is not None:
-            self._trace(req, t0, t1, start, time.perf_counter(), {})
-
-    def _trace(self, req: Request, t0: float, t1: float, start: float, end: float,
-               phases: dict[str, float] | None, **args: Any) -> None:
-        tl = self.timeline
-        tl.span(req.name, "QUEUE", req.enqueued, max(req.enqueued, t0))
-        tl.span(req.name, "NEGOTIATE", t0, t1, round=self.rounds)
-        tl.collective(req.name, start, end, phases or {}, kind=req.kind.value, **args)
-
     # -- stalls ----------------------------------------------------------------------------
     def _check_stalls(self) -> None:
-        warn, fail = self.cfg.stall_warning_s, self.cfg.stall_shutdown_s
-        now = time.perf_counter()
         with self._cv:
             reqs = list(self._pending.values())
-        for req in reqs:
-            age = now - req.enqueued
-            if age > warn and not req.warned:
-                req.warned = True
-                who = f"ranks {list(req.missing)} have not submitted it" if req.missing else \
-                    "the negotiation round has not completed (some rank submitted nothing)"
-                log.warning("rank %d: %s %r has waited %.1fs: %s (stalled or diverged ranks; "
-                            "every rank must submit the same collectives)", self.rank,
-                            req.kind.value, req.name, age, who)
-            if fail and age > fail:
-                self._fail(ShoalTimeoutError(
-                    f"rank {self.rank}: {req.kind.value} {req.name!r} stalled for {age:.1f}s "
-                    f"(SHOAL_STALL_SHUTDOWN_S={fail:g}); missing on ranks {list(req.missing)}"))
-                return
+        error = self.stalls.check(reqs)
+        if error is not None:
+            self._fail(error)

@@ -12,10 +12,10 @@ from typing import Any
 
 import numpy as np
 
-from .compression import Codec, Compression
-from .ops import ReduceOp
+from ..compression import Codec, Compression
+from ..ops import ReduceOp
 
-__all__ = ["Kind", "Request", "mismatch_message"]
+__all__ = ["PER_CALL", "Kind", "Request", "mismatch_message"]
 
 
 class Kind(enum.Enum):
@@ -29,7 +29,7 @@ class Kind(enum.Enum):
     JOIN = "join"
 
 
-_PER_CALL = (Kind.ALLGATHER, Kind.ALLTOALL)  # carry per-rank sizes every time
+PER_CALL = (Kind.ALLGATHER, Kind.ALLTOALL)  # carry per-rank sizes every time
 
 
 @dataclass(eq=False)
