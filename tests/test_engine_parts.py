@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from shoal.core import config, topology
-from shoal.core.comm import Transport
 from shoal.core.engine.executor import Executor
 from shoal.core.engine.names import NameCache
 from shoal.core.engine.negotiator import decide, encode
@@ -19,6 +18,7 @@ from shoal.core.engine.requests import Kind, Request
 from shoal.core.engine.stalls import StallInspector
 from shoal.core.errors import ShoalTimeoutError
 from shoal.core.ops import ReduceOp
+from shoal.core.transport import Transport
 
 AR = "allreduce float32 (4,) Sum none"
 

@@ -56,7 +56,7 @@ def worker_main(argv: Sequence[str]) -> None:
     shoal.init(rank=args.rank, size=args.size, rendezvous_addr=args.addr,
                rendezvous_port=args.port, hostname=args.host, secret=args.secret,
                job_id=args.job)
-    comm = shoal.communicator().transport
+    transport = shoal.communicator().transport
     methods_names = ["hierarchical", "ring"]
     gloo = None
     try:
@@ -77,9 +77,9 @@ def worker_main(argv: Sequence[str]) -> None:
         shoal.barrier()
         t0 = time.perf_counter()
         if args.rank == 0:
-            comm.mesh.send(LOCAL, memoryview(probe))
+            transport.mesh.send(LOCAL, memoryview(probe))
         elif args.rank == LOCAL:
-            comm.mesh.recv_into(0, memoryview(probe))
+            transport.mesh.recv_into(0, memoryview(probe))
         shoal.barrier()
         results["link"].append(probe.nbytes / (time.perf_counter() - t0))
     for nbytes in sizes:
@@ -88,7 +88,7 @@ def worker_main(argv: Sequence[str]) -> None:
         methods = {}
         for name in methods_names:
             def run_algo(name: str = name, x: np.ndarray = x, out: np.ndarray = out) -> None:
-                comm.algorithm = algorithms.select(comm, name)
+                algorithms.choose(transport, name)
                 shoal.allreduce(x, op=shoal.Sum, name="cluster", out=out)
             methods[f"shoal-{name}"] = run_algo
         if gloo is not None:

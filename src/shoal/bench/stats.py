@@ -20,8 +20,8 @@ def stats(samples: Sequence[float]) -> dict[str, float]:
 
 def parse_size(text: str) -> int:
     """``4K`` -> 4096, ``64M`` -> 67108864 (binary units)."""
-    from ..core.config import _parse_bytes
-    return _parse_bytes(text)
+    from ..core.config import parse_bytes
+    return parse_bytes(text)
 
 
 def human_bytes(n: int) -> str:

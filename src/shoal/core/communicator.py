@@ -24,10 +24,9 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from . import config, topology
+from . import algorithms, config, topology
 from .auth import KeyAgreement, secret_bytes, unwrap_secret, wrap_secret
 from .collectives import Collectives
-from .comm import Transport
 from .config import Config
 from .engine import Engine
 from .errors import AuthenticationError, PeerLostError, ShoalError
@@ -35,6 +34,7 @@ from .liveness import MODES, Liveness
 from .p2p import P2PHandle, PeerMessages
 from .store import PrefixStore, Store
 from .timeline import Timeline
+from .transport import Transport
 from .transport.shm import ShmGroup
 from .transport.tcp import TcpMesh
 
@@ -201,6 +201,7 @@ class Communicator(Collectives):
                                barrier, liveness)
                 resources.append(shm.close)
             transport = Transport(cfg, world, mesh, shm)
+            algorithms.choose(transport, cfg.allreduce_algorithm)
             comm = cls(cfg, world, transport, store, secret=secret, job_id=job_id,
                        liveness=liveness, p2p=p2p, closers=closers)
         except BaseException:

@@ -22,7 +22,8 @@ from typing import Any
 
 from .errors import ConfigError
 
-__all__ = ["KNOBS", "Config", "Knob", "describe", "env_name", "load", "override"]
+__all__ = ["KNOBS", "Config", "Knob", "describe", "env_name", "load", "override",
+           "parse_bytes"]
 
 log = logging.getLogger("shoal.config")
 
@@ -43,7 +44,7 @@ def _cpu_bind(text: str) -> str:
     return value
 
 
-def _parse_bytes(text: str) -> int:
+def parse_bytes(text: str) -> int:
     """Parse ``64MiB``, ``4k``, ``1048576``: binary units, case-insensitive."""
     units = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20,
              "mb": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
@@ -99,7 +100,7 @@ KNOBS: dict[str, Knob] = _knobs(
          "names this worker, and for enough workers (--elastic-timeout)"),
     Knob("heartbeat", str, "auto", "how heartbeats travel: auto (UDP, probed at start; TCP "
          "where UDP does not pass, said once) | udp | tcp"),
-    Knob("p2p_held_bytes", _parse_bytes, 256 << 20, "point-to-point: bytes of messages that "
+    Knob("p2p_held_bytes", parse_bytes, 256 << 20, "point-to-point: bytes of messages that "
          "arrived before their receive held at once; past it a sender waits"),
     Knob("heartbeat_timeout_s", float, 10.0, "a peer silent this long is lost (killed, frozen "
          "or unreachable); a live, busy peer is waited for"),
@@ -107,15 +108,15 @@ KNOBS: dict[str, Knob] = _knobs(
     # transports and algorithms
     Knob("allreduce_algorithm", str, "auto", "auto | shm | ring | hierarchical | flat (never "
          "hierarchical: shm on one host, else ring)"),
-    Knob("shm_chunk_bytes", _parse_bytes, 1 << 20, "pipeline chunk of the shared-memory path"),
+    Knob("shm_chunk_bytes", parse_bytes, 1 << 20, "pipeline chunk of the shared-memory path"),
     Knob("shm_enable", _parse_bool, True, "use shared memory between ranks on one host"),
-    Knob("tcp_buffer_bytes", _parse_bytes, 4 << 20, "socket send/receive buffer size"),
-    Knob("tcp_chunk_bytes", _parse_bytes, 4 << 20, "pipeline chunk of the TCP ring"),
-    Knob("small_message_bytes", _parse_bytes, 64 << 10, "across hosts, messages up to this "
+    Knob("tcp_buffer_bytes", parse_bytes, 4 << 20, "socket send/receive buffer size"),
+    Knob("tcp_chunk_bytes", parse_bytes, 4 << 20, "pipeline chunk of the TCP ring"),
+    Knob("small_message_bytes", parse_bytes, 64 << 10, "across hosts, messages up to this "
          "size use recursive doubling (log2 n latencies) instead of the ring (2(n-1))"),
     # engine (fusion, timeline)
-    Knob("fusion_threshold", _parse_bytes, 64 << 20, "fusion buffer size in bytes"),
-    Knob("bucket_bytes", _parse_bytes, 0, "gradient bucket of the framework optimizers "
+    Knob("fusion_threshold", parse_bytes, 64 << 20, "fusion buffer size in bytes"),
+    Knob("bucket_bytes", parse_bytes, 0, "gradient bucket of the framework optimizers "
          "(DistributedOptimizer): one reduction per bucket, submitted when it is full; 0: "
          "2 MiB, or one fusion buffer when CPU workers already use every core"),
     Knob("cycle_time_ms", float, 1.0, "how long the engine waits for more tensors to fuse"),

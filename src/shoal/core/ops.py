@@ -27,9 +27,11 @@ __all__ = [
     "f32_to_bf16",
     "finalize",
     "logical_dtype",
+    "narrow",
     "reduce_into",
     "scale",
     "stage_op",
+    "widen",
 ]
 
 
@@ -156,13 +158,15 @@ _BOOL = {ReduceOp.MIN: np.logical_and, ReduceOp.MAX: np.logical_or,
 _INTEGRAL = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
 
 
-def _widen(x: np.ndarray, dtype: str) -> np.ndarray:
+def widen(x: np.ndarray, dtype: str) -> np.ndarray:
+    """``x`` (16-bit words of ``dtype``, or any numbers) as float32."""
     if dtype == "bfloat16":
         return bf16_to_f32(x)
     return x.astype(np.float32)
 
 
-def _narrow(acc: np.ndarray, dst: np.ndarray, dtype: str) -> None:
+def narrow(acc: np.ndarray, dst: np.ndarray, dtype: str) -> None:
+    """Round float32 ``acc`` into ``dst`` (words of ``dtype``)."""
     if dtype == "bfloat16":
         f32_to_bf16(acc, dst)
     else:
@@ -182,12 +186,12 @@ def reduce_into(dst: np.ndarray, sources: list[np.ndarray], op: ReduceOp, dtype:
         np.copyto(dst, first)
         first = None
     if dtype in _HALF:
-        acc = _widen(dst if first is None else first, dtype)
+        acc = widen(dst if first is None else first, dtype)
         for src in sources:
-            _BINARY[op](acc, _widen(src, dtype) if dtype == "bfloat16" else src, out=acc)
+            _BINARY[op](acc, widen(src, dtype) if dtype == "bfloat16" else src, out=acc)
         if divide_by:
             np.divide(acc, divide_by, out=acc)
-        _narrow(acc, dst, dtype)
+        narrow(acc, dst, dtype)
         return
     ufunc = _BOOL[op] if dtype == "bool" else _BINARY[op]
     if first is not None:
@@ -204,9 +208,9 @@ def finalize(dst: np.ndarray, op: ReduceOp, count: int, dtype: str) -> None:
     if op != ReduceOp.AVERAGE or count == 1:
         return
     if dtype in _HALF:
-        acc = _widen(dst, dtype)
+        acc = widen(dst, dtype)
         np.divide(acc, count, out=acc)
-        _narrow(acc, dst, dtype)
+        narrow(acc, dst, dtype)
     elif dst.dtype.kind in "iu":  # truncated toward zero, as C and Horovod divide
         rem = np.remainder(dst, count)
         np.floor_divide(dst, count, out=dst)
@@ -223,9 +227,9 @@ def scale(array: np.ndarray, factor: float, dtype: str) -> None:
     if factor == 1.0 or array.size == 0:
         return
     if dtype in _HALF:
-        acc = _widen(array, dtype)
+        acc = widen(array, dtype)
         np.multiply(acc, factor, out=acc)
-        _narrow(acc, array, dtype)
+        narrow(acc, array, dtype)
     elif array.dtype.kind in "iub":
         np.copyto(array, array.astype(np.float64) * factor, casting="unsafe")
     else:

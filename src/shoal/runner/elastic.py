@@ -49,7 +49,7 @@ from .common import ExitCode, LaunchError, err
 from .hosts import WorkerSpec, local_host_names
 from .options import LAUNCHER_VARS
 from .runners import HostRunner, LocalRunner
-from .supervise import Launch, _start, _stop_all, _Worker
+from .supervise import Launch, Worker, start_worker, stop_workers
 
 __all__ = ["COOLDOWN_MAX_S", "Blacklist", "ElasticOptions", "discover", "parse_discovery",
            "run_elastic"]
@@ -164,7 +164,7 @@ def discover(script: str, timeout: float = 30.0, slots_per_host: int = 1
 class _Member:
     id: str
     host: str
-    worker: _Worker
+    worker: Worker
     joined: int  # the world version it first joined
 
 
@@ -190,7 +190,7 @@ class _Driver:
     serial: int = 0
     local: HostRunner = field(default_factory=LocalRunner)
     lock: threading.Lock = field(default_factory=threading.Lock)
-    done: queue.Queue[_Worker] = field(default_factory=queue.Queue)
+    done: queue.Queue[Worker] = field(default_factory=queue.Queue)
     names: set[str] = field(default_factory=local_host_names)
 
     def pool(self) -> list[tuple[str, int]]:
@@ -237,7 +237,7 @@ class _Driver:
                      env_of=lambda s: env, cwd=os.getcwd(), job_id=self.job_id,
                      kill_grace=self.kill_grace, start_timeout_s=self.start_timeout_s,
                      timestamps=self.opts.timestamps)
-        worker = _start(job, spec, self.lock, self.done)
+        worker = start_worker(job, spec, self.lock, self.done)
         self.members[member_id] = _Member(member_id, host, worker, self.version + 1)
 
     def publish(self, store: object, added: bool) -> None:
@@ -275,7 +275,7 @@ def run_elastic(opts: ElasticOptions, command: Sequence[str], *, remote: HostRun
     try:
         return _loop(d, store)
     finally:
-        _stop_all([m.worker for m in d.members.values()], kill_grace)
+        stop_workers([m.worker for m in d.members.values()], kill_grace)
         store.close()
         server.close()
         for path in Path("/dev/shm").glob(f"shoal-{job_id}-*"):
@@ -331,7 +331,7 @@ def _loop(d: _Driver, store: object) -> int:
                 ids = {f"{h}:{s}" for h, s in slots}
                 for m in [m for m in d.members.values() if m.id not in ids]:
                     err(f"elastic: host {m.host} left discovery: stopping worker {m.id}")
-                    _stop_all([m.worker], d.kill_grace)
+                    stop_workers([m.worker], d.kill_grace)
                     del d.members[m.id]
                     changed = True
                 limit = want if first else opts.max_np

@@ -26,7 +26,8 @@ from .console import StatusLine, split_segments, terminal
 from .hosts import WorkerSpec
 from .runners import HostRunner
 
-__all__ = ["HELLO_KEY", "Launch", "RendezvousWatch", "supervise"]
+__all__ = ["HELLO_KEY", "Launch", "RendezvousWatch", "Worker", "start_worker", "stop_workers",
+           "supervise"]
 
 POLL_S = 0.05
 WATCH_EVERY_S = 0.25
@@ -73,7 +74,7 @@ class Launch:
 
 
 @dataclass
-class _Worker:
+class Worker:
     spec: WorkerSpec
     runner: HostRunner
     proc: subprocess.Popen[bytes]
@@ -96,7 +97,7 @@ def _write(out: IO[str], data: bytes) -> None:
         out.flush()
 
 
-def _pump(w: _Worker, stream: IO[bytes], name: str, lock: threading.Lock,
+def _pump(w: Worker, stream: IO[bytes], name: str, lock: threading.Lock,
           console: StatusLine | None = None, timestamps: bool = False) -> None:
     """Copy one worker stream line by line, tagged, to ``sys.<name>`` (and the rank's log);
     keep draining even when our own output is gone, so that the worker never blocks. With a
@@ -169,14 +170,14 @@ def _live_groups(pgids: Collection[int]) -> set[int]:
     return live.intersection(pgids)
 
 
-def _close_stdin(w: _Worker) -> None:
+def _close_stdin(w: Worker) -> None:
     """End of file tells a remote worker's bootstrap that the job is over."""
     if w.proc.stdin is not None:
         with contextlib.suppress(OSError):
             w.proc.stdin.close()
 
 
-def _stop_all(workers: Sequence[_Worker], grace: float,
+def stop_workers(workers: Sequence[Worker], grace: float,
               hurry: Callable[[], bool] = lambda: False) -> None:
     """SIGTERM every worker's process group, SIGKILL what is left after ``grace`` seconds."""
     for w in workers:
@@ -193,7 +194,7 @@ def _stop_all(workers: Sequence[_Worker], grace: float,
     _finish(workers)
 
 
-def _finish(workers: Sequence[_Worker]) -> None:
+def _finish(workers: Sequence[Worker]) -> None:
     for w in workers:
         w.proc.wait()
         _close_stdin(w)
@@ -203,7 +204,7 @@ def _finish(workers: Sequence[_Worker]) -> None:
             w.log.close()
 
 
-def _clean_remote(workers: Sequence[_Worker], job_id: str, timeout: float = 10.0) -> None:
+def _clean_remote(workers: Sequence[Worker], job_id: str, timeout: float = 10.0) -> None:
     """Remove ``/dev/shm/shoal-<job_id>-*`` on every remote host of the job (bounded)."""
     hosts = {(w.spec.host, w.runner) for w in workers if w.runner.remote}
     procs = []
@@ -227,14 +228,14 @@ def _install_handlers(caught: list[int]) -> dict[int, object]:
             for sig in (signal.SIGINT, signal.SIGTERM)}
 
 
-def _start(job: Launch, spec: WorkerSpec, lock: threading.Lock,
-           done: queue.Queue[_Worker], console: StatusLine | None = None) -> _Worker:
+def start_worker(job: Launch, spec: WorkerSpec, lock: threading.Lock,
+           done: queue.Queue[Worker], console: StatusLine | None = None) -> Worker:
     runner = job.runner_of(spec)
     proc = runner.popen(spec.host, job.command, job.env_of(spec), job.cwd)
     log = None
     if job.output_dir is not None:
         log = (job.output_dir / f"rank.{spec.rank}.log").open("wb")
-    w = _Worker(spec, runner, proc, log)
+    w = Worker(spec, runner, proc, log)
     assert proc.stdout is not None and proc.stderr is not None
     for stream, name in ((proc.stdout, "stdout"), (proc.stderr, "stderr")):
         w.threads.append(threading.Thread(target=_pump, args=(w, stream, name, lock, console,
@@ -260,8 +261,8 @@ def supervise(job: Launch) -> int:
     """Start the workers and wait for them; the job's exit code (see the module docstring)."""
     lock = threading.Lock()
     console = StatusLine(lock, _write) if terminal() else None
-    done: queue.Queue[_Worker] = queue.Queue()
-    workers: list[_Worker] = []
+    done: queue.Queue[Worker] = queue.Queue()
+    workers: list[Worker] = []
     caught: list[int] = []
     saved = _install_handlers(caught)
     try:
@@ -269,13 +270,13 @@ def supervise(job: Launch) -> int:
             if caught:
                 break
             try:
-                workers.append(_start(job, spec, lock, done, console))
+                workers.append(start_worker(job, spec, lock, done, console))
             except OSError as exc:
-                _stop_all(workers, job.kill_grace)
+                stop_workers(workers, job.kill_grace)
                 err(f"cannot start rank {spec.rank} on host {spec.host}: {exc}; stopped "
                     f"{len(workers)} workers")
                 return ExitCode.CANNOT_START
-        failed: _Worker | None = None
+        failed: Worker | None = None
         late: list[int] = []  # ranks that did not join within the start timeout
         finished, started, next_watch = 0, time.monotonic(), 0.0
         watch = job.watch
@@ -308,7 +309,7 @@ def supervise(job: Launch) -> int:
         # a job told to stop (a scheduler's SIGTERM) gets time to checkpoint; a failed one
         # is stopped fast
         stopping = bool(caught) and caught[0] == signal.SIGTERM and failed is None
-        _stop_all(workers, max(job.kill_grace, job.stop_grace) if stopping else job.kill_grace,
+        stop_workers(workers, max(job.kill_grace, job.stop_grace) if stopping else job.kill_grace,
                   hurry=lambda: len(caught) > 1)
         _clean_remote(workers, job.job_id)
         if failed is not None:
@@ -330,7 +331,7 @@ def supervise(job: Launch) -> int:
             + (", every one exited 0" if clean and running else "") + ")")
         return 128 + sig.value
     except BaseException:  # a bug of ours: never leave workers behind
-        _stop_all(workers, 0.0)
+        stop_workers(workers, 0.0)
         raise
     finally:
         for sig, old in saved.items():

@@ -51,8 +51,8 @@ from shoal.core.communicator import Communicator, local_address
 from .meet import meet_fresh
 from .monitor import admit_monitored_barrier, monitored_barrier
 from .store import C10dStore
-from .tensors import Staged, copy_back, result_tensor, stage
-from .work import ShoalWork, _fill, _raw, _seconds
+from .tensors import Staged, copy_back, fill_bytes, result_tensor, stage
+from .work import ShoalWork, stage_bytes, timeout_seconds
 
 __all__ = ["BACKEND", "ShoalProcessGroup", "ShoalWork", "register"]
 
@@ -127,7 +127,7 @@ class ShoalProcessGroup(dist.ProcessGroup):
 
     def set_timeout(self, timeout: Any) -> None:
         """Bound every later wait of this group's works by ``timeout``."""
-        self._timeout = _seconds(timeout)
+        self._timeout = timeout_seconds(timeout)
 
     def split_group(self, ranks: Sequence[int], timeout: Any = None, opts: Any = None,
                     group_name: str | None = None, group_desc: str | None = None,
@@ -141,7 +141,7 @@ class ShoalProcessGroup(dist.ProcessGroup):
             return None
         name = group_name or f"{self.group_name}:split:{'.'.join(map(str, members))}"
         store = dist.PrefixStore(name, self._store) if self._store is not None else None
-        pg = ShoalProcessGroup(child, name, _seconds(timeout) or self._timeout, store)
+        pg = ShoalProcessGroup(child, name, timeout_seconds(timeout) or self._timeout, store)
         pg._set_group_name(name)
         if group_desc:
             pg._set_group_desc(group_desc)
@@ -357,7 +357,7 @@ class ShoalProcessGroup(dist.ProcessGroup):
         slot, names = self._names(len(tensors))
         staged, handles = [], []
         for tensor, name in zip(tensors, names, strict=True):
-            st, raw = _raw(tensor)
+            st, raw = stage_bytes(tensor)
             staged.append(st)
             handles.append(self._comm.broadcast_async(raw, opts.rootRank, name=name,
                                                       ready=st.ready))
@@ -374,7 +374,7 @@ class ShoalProcessGroup(dist.ProcessGroup):
         slot, (name,) = self._names(1)
         handle = self._comm.allreduce_async(np.zeros(1, np.int32), shoal.Sum, name=name)
         work = self._work(slot, [handle], list)
-        work._timeout = _seconds(opts.timeout) or work._timeout
+        work._timeout = timeout_seconds(opts.timeout) or work._timeout
         return work
 
     def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
@@ -416,10 +416,10 @@ class ShoalProcessGroup(dist.ProcessGroup):
         slot, names = self._names(len(inputs))
         handles, landed = [], []
         for tensor, name, outs in zip(inputs, names, outputs, strict=True):
-            st, raw = _raw(tensor)
+            st, raw = stage_bytes(tensor)
             into = None  # one output tensor (all_gather_into_tensor): the bytes land in it
             if len(outs) == 1 and outs[0].is_contiguous():
-                into, into_raw = _raw(outs[0], fetch=False)
+                into, into_raw = stage_bytes(outs[0], fetch=False)
             handles.append(self._comm.allgather_async(
                 raw, name=name, ready=st.ready, out=None if into is None else into_raw))
             landed.append(into)
@@ -428,7 +428,7 @@ class ShoalProcessGroup(dist.ProcessGroup):
             for outs, handle, into in zip(outputs, handles, landed, strict=True):
                 got = handle.wait(0)
                 if into is None:
-                    _fill(outs, got)
+                    fill_bytes(outs, got)
                 else:
                     into.finish()
             return value
@@ -446,7 +446,7 @@ class ShoalProcessGroup(dist.ProcessGroup):
             got = handle.wait(0)[0]
             if check is not None:
                 check(got)
-            _fill(outs, got)
+            fill_bytes(outs, got)
             return value
         return self._work(slot, [handle], finish, outs)
 
@@ -462,7 +462,7 @@ class ShoalProcessGroup(dist.ProcessGroup):
                 raise ValueError(f"rank {self.rank()}: all_to_all_single input has {rows} rows, "
                                  f"not divisible by {n} ranks; pass input_split_sizes")
             input_split_sizes = [rows // n] * n
-        st, raw = _raw(input)
+        st, raw = stage_bytes(input)
 
         def check(got: np.ndarray) -> None:
             if output_split_sizes and sum(output_split_sizes) * row_bytes != got.nbytes:
@@ -484,7 +484,7 @@ class ShoalProcessGroup(dist.ProcessGroup):
                input_tensors: list[torch.Tensor],
                opts: c10d.GatherOptions = c10d.GatherOptions()) -> ShoalWork:  # noqa: B008
         """Every rank's ``input_tensors[0]`` into ``output_tensors[0]`` on ``opts.rootRank``."""
-        st, raw = _raw(input_tensors[0])
+        st, raw = stage_bytes(input_tensors[0])
         splits = [raw.nbytes if r == opts.rootRank else 0 for r in range(self.size())]
         outs = output_tensors[0] if self.rank() == opts.rootRank else []
         return self._exchange(raw, splits, outs, list(output_tensors), st.ready)
@@ -505,7 +505,7 @@ class ShoalProcessGroup(dist.ProcessGroup):
         """Send ``tensors[0]`` to rank ``dst`` (matched in order with ``dst``'s receives of
         the same tag)."""
         (tensor,) = tensors
-        st, raw = _raw(tensor)
+        st, raw = stage_bytes(tensor)
         # the sending thread waits for a device tensor's copy before it reads the bytes
         handle = self._comm.send(raw, dst, tag, ready=st.ready)
         return self._p2p_work(handle, lambda: [st.tensor], tensor)
@@ -520,7 +520,7 @@ class ShoalProcessGroup(dist.ProcessGroup):
 
     def _recv(self, tensors: list[torch.Tensor], src: int | None, tag: int) -> ShoalWork:
         (tensor,) = tensors
-        st, raw = _raw(tensor, fetch=False)
+        st, raw = stage_bytes(tensor, fetch=False)
         handle = self._comm.recv(raw, src, tag)
 
         def finish() -> list[torch.Tensor]:
@@ -530,9 +530,8 @@ class ShoalProcessGroup(dist.ProcessGroup):
 
     def _p2p_work(self, handle: Any, finish: Callable[[], Any],
                   tensor: torch.Tensor) -> ShoalWork:
-        work = ShoalWork([handle], finish, [tensor.device], self._timeout)
-        work.source_rank = lambda: handle.source  # type: ignore[attr-defined]
-        return work
+        return ShoalWork([handle], finish, [tensor.device], self._timeout,
+                         source=lambda: handle.source)
 
 
 def _premultiplied(tensor: torch.Tensor, factor: float | torch.Tensor, in_place: bool
@@ -551,7 +550,7 @@ def _packed(tensors: Sequence[torch.Tensor]
     """One buffer for the bytes of all ``tensors`` back to back, their sizes, and the
     ``ready`` that fills it: the engine thread calls it before it reads the buffer, so the
     caller neither waits for a device copy nor copies the bytes itself."""
-    parts = [_raw(t) for t in tensors]
+    parts = [stage_bytes(t) for t in tensors]
     splits = [raw.nbytes for _, raw in parts]
     data = np.empty(sum(splits), np.uint8)
 
@@ -580,7 +579,7 @@ def _create(opts: Any, backend_options: Any = None) -> ShoalProcessGroup:
     """c10d's creator (extended API): a communicator for this group, met through the store
     torch hands over (whatever ``init_method`` or launcher made it)."""
     rank, size = int(opts.group_rank), int(opts.group_size)
-    timeout = _seconds(opts.timeout)
+    timeout = timeout_seconds(opts.timeout)
     cfg = config.load()
     if timeout:
         cfg = cfg.replace(start_timeout_s=min(cfg.start_timeout_s, timeout))

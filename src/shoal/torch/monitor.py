@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from shoal.core.communicator import Communicator
 
-from .work import _seconds
+from .work import timeout_seconds
 
 __all__ = ["admit_monitored_barrier", "monitored_barrier"]
 
@@ -31,7 +31,7 @@ def monitored_barrier(comm: Communicator, round_: int, timeout: Any,
     if isinstance(timeout, timedelta):  # zero is a deadline already passed, not "none"
         secs = max(0.0, timeout.total_seconds())
     else:
-        secs = _seconds(timeout) or group_timeout or 1800.0
+        secs = timeout_seconds(timeout) or group_timeout or 1800.0
     me, n = comm.rank, comm.size
     token = np.array([round_], np.int64)  # tokens of failed rounds are stale
 

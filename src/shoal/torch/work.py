@@ -20,9 +20,9 @@ from shoal.core.errors import ShoalTimeoutError
 
 from .device.staging import consumer_context
 from .device.streams import lane_for
-from .tensors import Staged, fill_bytes, stage
+from .tensors import Staged, stage
 
-__all__ = ["DistTimeoutError", "ShoalWork"]
+__all__ = ["DistTimeoutError", "ShoalWork", "stage_bytes", "timeout_seconds"]
 
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
@@ -37,22 +37,20 @@ def _completions() -> ThreadPoolExecutor:
         return _pool
 
 
-def _seconds(timeout: Any) -> float | None:
+def timeout_seconds(timeout: Any) -> float | None:
     """A c10d timeout (timedelta, seconds or None; <= 0 means none) in seconds."""
     if isinstance(timeout, timedelta):
         timeout = timeout.total_seconds()
     return None if timeout is None or timeout <= 0 else float(timeout)
 
 
-def _raw(tensor: torch.Tensor, fetch: bool = True) -> tuple[Staged, np.ndarray]:
+def stage_bytes(tensor: torch.Tensor, fetch: bool = True) -> tuple[Staged, np.ndarray]:
     """``tensor`` staged on the host, and its flat bytes (moved as-is: any dtype works); the
     staged tensor's ``ready`` must be passed along with the bytes. ``fetch=False``: an
     output buffer only."""
     st = stage(tensor, fetch=fetch)
     return st, st.host.reshape(-1).view(torch.uint8).numpy()
 
-
-_fill = fill_bytes
 
 
 class DistTimeoutError(ShoalTimeoutError, dist.DistBackendError):
@@ -75,8 +73,10 @@ class ShoalWork(dist.Work):
     """
 
     def __init__(self, handles: Sequence[shoal.Handle], finish: Callable[[], Any],
-                 devices: Sequence[torch.device] = (), timeout: float | None = None) -> None:
+                 devices: Sequence[torch.device] = (), timeout: float | None = None,
+                 source: Callable[[], int | None] | None = None) -> None:
         super().__init__()
+        self._source = source  # a receive's sender, once it is known
         cuda = sorted({str(d) for d in devices if d.type == "cuda"})
         self._devices = [torch.device(d) for d in cuda]
         for device in self._devices:
@@ -140,7 +140,7 @@ class ShoalWork(dist.Work):
 
     def wait(self, timeout: Any = None) -> bool:
         """Block until done (at most ``timeout``, default the group's); raise its error."""
-        secs = _seconds(timeout)
+        secs = timeout_seconds(timeout)
         secs = self._timeout if secs is None else secs
         start = time.monotonic()
         with contextlib.suppress(Exception):  # a failure: raised below, from the future
@@ -181,10 +181,10 @@ class ShoalWork(dist.Work):
 
     def _source_rank(self) -> int:
         """The sender of a finished receive (``dist.recv`` without ``src`` returns it)."""
-        source = getattr(self, "source_rank", None)
-        if source is None or source() is None:
+        sender = None if self._source is None else self._source()
+        if sender is None:
             raise RuntimeError("shoal backend: _source_rank() is only defined for receives")
-        return int(source())
+        return int(sender)
 
     def get_future(self) -> torch.futures.Future:
         """The future of this work's output tensors."""

@@ -1,30 +1,41 @@
-"""AllReduce algorithms, each a small function registered by name.
+"""Reduction algorithms over a :class:`~shoal.core.transport.Transport`.
 
-An algorithm is ``fn(comm, src, dst, op, dtype, what)`` on flat, contiguous arrays of equal
-size; ``src`` and ``dst`` may be the same array. :func:`select` picks one by topology; the
-choice can be forced with ``SHOAL_ALLREDUCE_ALGORITHM``.
+An allreduce algorithm is ``fn(transport, srcs, dsts, op, dtype, codec, what, phases)`` on
+flat, contiguous arrays (the fused request), registered by name; a source and its destination
+may be the same array. :func:`select` picks one by topology (the choice can be forced with
+``SHOAL_ALLREDUCE_ALGORITHM``), :func:`choose` records it on the transport, and
+:func:`allreduce` runs the chosen one. :func:`reducescatter` picks its route by topology
+(:mod:`.scatter`). The algorithms reach shared memory and TCP through the transport only, and
+the transport never imports them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
 
+import numpy as np
+
+from ..compression import Codec
 from ..errors import ConfigError
+from ..ops import ReduceOp
+from ..transport import Transport
 
-if TYPE_CHECKING:
-    from ..comm import Transport as Communicator
+__all__ = ["ALGORITHMS", "allreduce", "applicable", "choose", "reducescatter", "register",
+           "select"]
 
-__all__ = ["ALGORITHMS", "applicable", "register", "select"]
+log = logging.getLogger("shoal.algorithms")
 
 Algorithm = Callable[..., None]
 ALGORITHMS: dict[str, Algorithm] = {}
-_REQUIRES: dict[str, Callable[[Communicator], str | None]] = {}
+_REQUIRES: dict[str, Callable[[Transport], str | None]] = {}
 
 
 def register(name: str, requires: Callable[[Any], str | None]) -> Callable[[Algorithm],
                                                                           Algorithm]:
-    """Register an algorithm; ``requires(comm)`` returns why it cannot run there, or None."""
+    """Register an algorithm; ``requires(transport)`` returns why it cannot run there, or
+    None."""
     def deco(fn: Algorithm) -> Algorithm:
         ALGORITHMS[name] = fn
         _REQUIRES[name] = requires
@@ -32,12 +43,12 @@ def register(name: str, requires: Callable[[Any], str | None]) -> Callable[[Algo
     return deco
 
 
-def applicable(comm: Communicator, name: str) -> str | None:
-    """None if ``name`` can run on this communicator, else the reason it cannot."""
-    return _REQUIRES[name](comm)
+def applicable(transport: Transport, name: str) -> str | None:
+    """None if ``name`` can run on this transport, else the reason it cannot."""
+    return _REQUIRES[name](transport)
 
 
-def select(comm: Communicator, requested: str) -> str:
+def select(transport: Transport, requested: str) -> str:
     """Resolve ``auto`` (or check a forced name) for this topology.
 
     auto: one host -> ``shm`` (memory traffic only); several hosts with the same number of
@@ -47,18 +58,42 @@ def select(comm: Communicator, requested: str) -> str:
     """
     if requested in ("auto", "flat"):
         for name in ("shm", "hierarchical", "ring"):
-            if applicable(comm, name) is None and not (requested == "flat" and
+            if applicable(transport, name) is None and not (requested == "flat" and
                                                        name == "hierarchical"):
                 return name
         raise ConfigError("no allreduce algorithm applies to this topology")  # pragma: no cover
     if requested not in ALGORITHMS:
         raise ConfigError(f"SHOAL_ALLREDUCE_ALGORITHM={requested!r} is not one of "
                           f"{['auto', 'flat', *sorted(ALGORITHMS)]}")
-    why = applicable(comm, requested)
+    why = applicable(transport, requested)
     if why:
         raise ConfigError(f"SHOAL_ALLREDUCE_ALGORITHM={requested!r} cannot run here: {why}")
     return requested
 
 
+def choose(transport: Transport, requested: str) -> str:
+    """Select the allreduce algorithm for ``transport``'s topology and record it there."""
+    if transport.size > 1:
+        transport.algorithm = select(transport, requested)
+        w = transport.world
+        log.info("rank %d: allreduce algorithm %s (%d hosts x %d local ranks)", transport.rank,
+                 transport.algorithm, w.cross_size, w.local_size)
+    return transport.algorithm
+
+
+def allreduce(transport: Transport, srcs: Sequence[np.ndarray], dsts: Sequence[np.ndarray],
+              op: ReduceOp, dtype: str, codec: Codec, what: str,
+              phases: dict[str, float] | None = None) -> None:
+    """Reduce the flat arrays ``srcs`` (one logical dtype) into ``dsts`` as one fused
+    buffer, with the transport's chosen algorithm."""
+    if transport.size == 1:
+        for s, d in zip(srcs, dsts, strict=True):
+            if s is not d:
+                np.copyto(d, s)
+        return
+    ALGORITHMS[transport.algorithm](transport, srcs, dsts, op, dtype, codec, what, phases)
+
+
 # import for their registration side effect
 from . import basic  # noqa: E402,F401
+from .scatter import reducescatter  # noqa: E402

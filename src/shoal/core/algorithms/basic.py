@@ -9,18 +9,15 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..compression import Codec, storage_dtype
-from ..ops import ReduceOp, bf16_to_f32, f32_to_bf16, finalize, reduce_into
+from ..ops import ReduceOp, finalize, narrow, reduce_into, widen
+from ..transport import Transport
 from . import register
 from .doubling import doubling_allreduce
 from .ring import ring_allreduce
-
-if TYPE_CHECKING:
-    from ..comm import Transport as Communicator
 
 
 def _finisher(op: ReduceOp, wire: str, count: int):
@@ -35,20 +32,20 @@ def _half_average(op: ReduceOp, wire: str) -> bool:
     return op == ReduceOp.AVERAGE and wire in ("float16", "bfloat16")
 
 
-def _needs_single_host_shm(comm: Communicator) -> str | None:
-    if comm.shm is None:
+def _needs_single_host_shm(transport: Transport) -> str | None:
+    if not transport.has_shm:
         return "shared memory is disabled or this host has a single rank"
-    if comm.world.cross_size != 1:
-        return f"the job spans {comm.world.cross_size} hosts; use hierarchical or ring"
+    if transport.world.cross_size != 1:
+        return f"the job spans {transport.world.cross_size} hosts; use hierarchical or ring"
     return None
 
 
-def _needs_hierarchy(comm: Communicator) -> str | None:
-    if comm.world.cross_size < 2:
+def _needs_hierarchy(transport: Transport) -> str | None:
+    if transport.world.cross_size < 2:
         return "the job runs on one host"
-    if not comm.world.homogeneous:
+    if not transport.world.homogeneous:
         return "hosts run different numbers of ranks"
-    if comm.world.local_size > 1 and comm.shm is None:
+    if transport.world.local_size > 1 and not transport.has_shm:
         return "shared memory is disabled"
     return None
 
@@ -69,29 +66,18 @@ def _unpack(buf: np.ndarray, dsts: Sequence[np.ndarray], codec: Codec) -> None:
         pos += d.size
 
 
-def _cross(comm: Communicator, group: Sequence[int], buf: np.ndarray, reduce, finish,
+def _cross(transport: Transport, group: Sequence[int], buf: np.ndarray, reduce, finish,
            what: str) -> None:
     """Allreduce ``buf`` across ``group`` over TCP: recursive doubling below
     ``SHOAL_SMALL_MESSAGE_BYTES`` (latency-bound), the ring above (bandwidth-bound)."""
-    if buf.nbytes <= comm.cfg.small_message_bytes:
-        doubling_allreduce(comm.mesh, group, buf, reduce, finish=finish, what=what)
+    if buf.nbytes <= transport.cfg.small_message_bytes:
+        doubling_allreduce(transport, group, buf, reduce, finish=finish, what=what)
     else:
-        ring_allreduce(comm.mesh, group, buf, reduce, finish=finish,
-                       block_bytes=comm.cfg.tcp_chunk_bytes, what=what)
+        ring_allreduce(transport, group, buf, reduce, finish=finish,
+                       block_bytes=transport.cfg.tcp_chunk_bytes, what=what)
 
 
-def _widen(words: np.ndarray, wire: str) -> np.ndarray:
-    return bf16_to_f32(words) if wire == "bfloat16" else words.astype(np.float32)
-
-
-def _narrow(wide: np.ndarray, words: np.ndarray, wire: str) -> None:
-    if wire == "bfloat16":
-        f32_to_bf16(wide, words)
-    else:
-        np.copyto(words, wide, casting="unsafe")
-
-
-def _wide_cross(comm: Communicator, group: Sequence[int], wide: np.ndarray, op: ReduceOp,
+def _wide_cross(transport: Transport, group: Sequence[int], wide: np.ndarray, op: ReduceOp,
                 count: int, what: str) -> None:
     """Sum float32 ``wide`` across hosts in place (an average divides by ``count`` at the
     end). Half-precision sums and averages cross hosts this way, whether the tensor is half
@@ -100,14 +86,14 @@ def _wide_cross(comm: Communicator, group: Sequence[int], wide: np.ndarray, op: 
     the hop between hosts."""
     finish = partial(finalize, op=op, count=count, dtype="float32") \
         if op == ReduceOp.AVERAGE and count > 1 else None
-    _cross(comm, group, wide, partial(reduce_into, op=op, dtype="float32"), finish, what)
+    _cross(transport, group, wide, partial(reduce_into, op=op, dtype="float32"), finish, what)
 
 
 def _half_sum(op: ReduceOp, wire: str) -> bool:
     return wire in ("float16", "bfloat16") and op in (ReduceOp.SUM, ReduceOp.AVERAGE)
 
 
-def _ring_over(comm: Communicator, group: Sequence[int], srcs, dsts, op, dtype, codec, what):
+def _ring_over(transport: Transport, group: Sequence[int], srcs, dsts, op, dtype, codec, what):
     wire = codec.wire_dtype(dtype)
     reduce = partial(reduce_into, op=op, dtype=wire)
     if len(srcs) == 1 and wire == dtype:  # reduce in the destination itself, no packing
@@ -117,11 +103,11 @@ def _ring_over(comm: Communicator, group: Sequence[int], srcs, dsts, op, dtype, 
     else:
         buf = _pack(srcs, storage_dtype(wire), codec)
     if _half_sum(op, wire):
-        wide = _widen(buf, wire)
-        _wide_cross(comm, group, wide, op, comm.size, what)
-        _narrow(wide, buf, wire)
+        wide = widen(buf, wire)
+        _wide_cross(transport, group, wide, op, transport.size, what)
+        narrow(wide, buf, wire)
     else:
-        _cross(comm, group, buf, reduce, _finisher(op, wire, comm.size), what)
+        _cross(transport, group, buf, reduce, _finisher(op, wire, transport.size), what)
     if buf is not dsts[0]:
         _unpack(buf, dsts, codec)
 
@@ -140,52 +126,52 @@ def _shm_plan(op: ReduceOp, dtype: str, codec: Codec, size: int) -> tuple:
 
 
 @register("shm", requires=_needs_single_host_shm)
-def shm_allreduce(comm: Communicator, srcs, dsts, op: ReduceOp, dtype: str, codec: Codec,
+def shm_allreduce(transport: Transport, srcs, dsts, op: ReduceOp, dtype: str, codec: Codec,
                   what: str, phases=None) -> None:
     """One host: reduce-scatter and allgather fused in the shared segments, chunk by chunk."""
-    wire, reduce, encode, decode, finish = _shm_plan(op, dtype, codec, comm.size)
-    comm.shm.allreduce(srcs, dsts, wire, reduce, encode=encode, decode=decode, finish=finish,
-                       phases=phases, what=what)
+    wire, reduce, encode, decode, finish = _shm_plan(op, dtype, codec, transport.size)
+    transport.host_allreduce(srcs, dsts, wire, reduce, encode=encode, decode=decode,
+                             finish=finish, phases=phases, what=what)
 
 
-@register("ring", requires=lambda comm: None)
-def flat_ring_allreduce(comm: Communicator, srcs, dsts, op: ReduceOp, dtype: str, codec: Codec,
+@register("ring", requires=lambda transport: None)
+def flat_ring_allreduce(transport: Transport, srcs, dsts, op: ReduceOp, dtype: str, codec: Codec,
                         what: str, phases=None) -> None:
     """Every rank in one TCP ring (recursive doubling for small messages), whatever host it
     is on."""
-    _ring_over(comm, range(comm.size), srcs, dsts, op, dtype, codec, what)
+    _ring_over(transport, range(transport.size), srcs, dsts, op, dtype, codec, what)
 
 
 @register("hierarchical", requires=_needs_hierarchy)
-def hierarchical_allreduce(comm: Communicator, srcs, dsts, op: ReduceOp, dtype: str,
+def hierarchical_allreduce(transport: Transport, srcs, dsts, op: ReduceOp, dtype: str,
                            codec: Codec, what: str, phases=None) -> None:
     """Reduce-scatter on the host, ring across hosts per shard (all local ranks at once),
     allgather on the host: the SMDDP shape, every core and link busy together."""
-    group = comm.world.cross_peers
-    if comm.shm is None:  # one rank per host: the cross ring is the whole job
-        _ring_over(comm, group, srcs, dsts, op, dtype, codec, what)
+    group = transport.world.cross_peers
+    if not transport.has_shm:  # one rank per host: the cross ring is the whole job
+        _ring_over(transport, group, srcs, dsts, op, dtype, codec, what)
         return
     wire = codec.wire_dtype(dtype)
     reduce = partial(reduce_into, op=op, dtype=wire)
-    finish = _finisher(op, wire, comm.size)
+    finish = _finisher(op, wire, transport.size)
     cross: Callable[[np.ndarray], None] | None = None
     if _half_sum(op, wire):
         def local(part: np.ndarray, peers: list[np.ndarray],
                   first: np.ndarray | None = None) -> None:
             # the host's sum stays float32 through the hop between hosts: one rounding
-            wide = _widen(part if first is None else first, wire)
+            wide = widen(part if first is None else first, wire)
             for peer in peers:
-                wide += _widen(peer, wire)
-            _wide_cross(comm, group, wide, op, comm.size, what)
-            _narrow(wide, part, wire)
+                wide += widen(peer, wire)
+            _wide_cross(transport, group, wide, op, transport.size, what)
+            narrow(wide, part, wire)
         finish = None
     else:
         local = reduce
 
         def cross(part: np.ndarray) -> None:
-            _cross(comm, group, part, reduce, None, what)
+            _cross(transport, group, part, reduce, None, what)
 
-    comm.shm.allreduce(srcs, dsts, storage_dtype(wire), local,
-                       encode=codec.encode if wire != dtype else None,
-                       decode=codec.decode if wire != dtype else None,
-                       cross=cross, finish=finish, phases=phases, what=what)
+    transport.host_allreduce(srcs, dsts, storage_dtype(wire), local,
+                             encode=codec.encode if wire != dtype else None,
+                             decode=codec.decode if wire != dtype else None,
+                             cross=cross, finish=finish, phases=phases, what=what)

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from ..transport.tcp import TcpMesh
+from ..transport import Transport
 
 __all__ = ["doubling_allreduce"]
 
@@ -23,30 +23,30 @@ def _bytes(a: np.ndarray) -> memoryview:
     return memoryview(a.view(np.uint8))
 
 
-def doubling_allreduce(mesh: TcpMesh, group: Sequence[int], buf: np.ndarray,
+def doubling_allreduce(transport: Transport, group: Sequence[int], buf: np.ndarray,
                        reduce: Callable[..., None],
                        finish: Callable[[np.ndarray], None] | None = None,
                        what: str = "allreduce") -> None:
     """Allreduce the flat array ``buf`` in place among the global ranks ``group``."""
     n = len(group)
-    me = list(group).index(mesh.rank)
+    me = list(group).index(transport.rank)
     p2 = 1 << (n.bit_length() - 1)
     tmp = np.empty_like(buf)
     if me >= p2:  # fold into a partner, then wait for the answer
         partner = group[me - p2]
-        mesh.send(partner, _bytes(buf), what)
-        mesh.recv_into(partner, _bytes(buf), what)
+        transport.send(partner, _bytes(buf), what)
+        transport.recv_into(partner, _bytes(buf), what)
         return
     if me + p2 < n:
-        mesh.recv_into(group[me + p2], _bytes(tmp), what)
+        transport.recv_into(group[me + p2], _bytes(tmp), what)
         reduce(buf, [tmp])
     mask = 1
     while mask < p2:
         partner = group[me ^ mask]
-        mesh.exchange([(partner, _bytes(buf))], [(partner, _bytes(tmp))], what=what)
+        transport.exchange([(partner, _bytes(buf))], [(partner, _bytes(tmp))], what=what)
         reduce(buf, [tmp])
         mask <<= 1
     if finish is not None:
         finish(buf)
     if me + p2 < n:
-        mesh.send(group[me + p2], _bytes(buf), what)
+        transport.send(group[me + p2], _bytes(buf), what)

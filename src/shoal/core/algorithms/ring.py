@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from ..transport.tcp import TcpMesh
+from ..transport import Transport
 
 __all__ = ["ring_allreduce", "ring_reducescatter"]
 
@@ -22,7 +22,7 @@ def _bytes(a: np.ndarray) -> memoryview:
     return memoryview(a.view(np.uint8))
 
 
-def _reduce_pass(mesh: TcpMesh, right: int, left: int, send: np.ndarray, dst: np.ndarray,
+def _reduce_pass(transport: Transport, right: int, left: int, send: np.ndarray, dst: np.ndarray,
                  tmp: np.ndarray, reduce: Reduce, block_bytes: int, what: str) -> None:
     """One ring step: ``send`` goes right while the left neighbour's segment arrives and is
     reduced into ``dst`` block by block as its bytes come in."""
@@ -38,11 +38,11 @@ def _reduce_pass(mesh: TcpMesh, right: int, left: int, send: np.ndarray, dst: np
             reduce(dst[reduced:ready], [incoming[reduced:ready]])
             reduced = ready
 
-    mesh.exchange([(right, _bytes(send))], [(left, _bytes(incoming))], on_recv=on_recv,
+    transport.exchange([(right, _bytes(send))], [(left, _bytes(incoming))], on_recv=on_recv,
                   what=what)
 
 
-def ring_reducescatter(mesh: TcpMesh, group: Sequence[int], buf: np.ndarray,
+def ring_reducescatter(transport: Transport, group: Sequence[int], buf: np.ndarray,
                        bounds: Sequence[int], reduce: Reduce, block_bytes: int = 1 << 20,
                        what: str = "reducescatter") -> None:
     """Reduce-scatter the flat array ``buf`` in place among the global ranks ``group``: at
@@ -53,7 +53,7 @@ def ring_reducescatter(mesh: TcpMesh, group: Sequence[int], buf: np.ndarray,
     n = len(group)
     if n == 1:
         return
-    me = group.index(mesh.rank)
+    me = group.index(transport.rank)
     right, left = group[(me + 1) % n], group[(me - 1) % n]
 
     def seg(i: int) -> np.ndarray:
@@ -61,11 +61,11 @@ def ring_reducescatter(mesh: TcpMesh, group: Sequence[int], buf: np.ndarray,
 
     tmp = np.empty(max(bounds[i + 1] - bounds[i] for i in range(n)), buf.dtype)
     for step in range(n - 1):  # the last step brings block ``me`` its final contribution
-        _reduce_pass(mesh, right, left, seg((me - step - 1) % n), seg((me - step - 2) % n),
+        _reduce_pass(transport, right, left, seg((me - step - 1) % n), seg((me - step - 2) % n),
                      tmp, reduce, block_bytes, what)
 
 
-def ring_allreduce(mesh: TcpMesh, group: Sequence[int], buf: np.ndarray, reduce: Reduce,
+def ring_allreduce(transport: Transport, group: Sequence[int], buf: np.ndarray, reduce: Reduce,
                    finish: Callable[[np.ndarray], None] | None = None,
                    block_bytes: int = 1 << 20, what: str = "allreduce") -> None:
     """Allreduce the flat array ``buf`` in place among the global ranks ``group``."""
@@ -74,7 +74,7 @@ def ring_allreduce(mesh: TcpMesh, group: Sequence[int], buf: np.ndarray, reduce:
         if finish is not None and buf.size:
             finish(buf)
         return
-    me = group.index(mesh.rank)
+    me = group.index(transport.rank)
     right, left = group[(me + 1) % n], group[(me - 1) % n]
     bounds = [buf.size * i // n for i in range(n + 1)]
 
@@ -83,12 +83,12 @@ def ring_allreduce(mesh: TcpMesh, group: Sequence[int], buf: np.ndarray, reduce:
 
     tmp = np.empty(max(bounds[i + 1] - bounds[i] for i in range(n)), buf.dtype)
     for step in range(n - 1):
-        _reduce_pass(mesh, right, left, seg((me - step) % n), seg((me - step - 1) % n), tmp,
+        _reduce_pass(transport, right, left, seg((me - step) % n), seg((me - step - 1) % n), tmp,
                      reduce, block_bytes, what)
     if finish is not None:
         owned = seg((me + 1) % n)
         if owned.size:
             finish(owned)
     for step in range(n - 1):
-        mesh.exchange([(right, _bytes(seg((me - step + 1) % n)))],
+        transport.exchange([(right, _bytes(seg((me - step + 1) % n)))],
                       [(left, _bytes(seg((me - step) % n)))], what=what)

@@ -16,35 +16,31 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..ops import ReduceOp, finalize, reduce_into
-from .basic import _narrow, _widen
+from ..ops import ReduceOp, finalize, narrow, reduce_into, widen
+from ..transport import Transport
 from .ring import ring_reducescatter
-
-if TYPE_CHECKING:
-    from ..comm import Transport
 
 __all__ = ["reducescatter"]
 
 _HALF = ("float16", "bfloat16")
 
 
-def _over_ring(comm: Transport, group: Sequence[int], work: np.ndarray,
+def _over_ring(transport: Transport, group: Sequence[int], work: np.ndarray,
                bounds: Sequence[int], op: ReduceOp, dtype: str, what: str) -> np.ndarray:
     """Reduce-scatter ``work`` (a scratch buffer, reduced in place) around ``group``; returns
     this rank's reduced block, in float32 for half precision."""
-    me = group.index(comm.rank)
+    me = group.index(transport.rank)
     if dtype in _HALF:
-        work = _widen(work, dtype)
+        work = widen(work, dtype)
         wire = "float32"
     else:
         wire = dtype
-    ring_reducescatter(comm.mesh, group, work, bounds,
+    ring_reducescatter(transport, group, work, bounds,
                        functools.partial(reduce_into, op=op, dtype=wire),
-                       block_bytes=comm.cfg.tcp_chunk_bytes, what=what)
+                       block_bytes=transport.cfg.tcp_chunk_bytes, what=what)
     return work[bounds[me]:bounds[me + 1]]
 
 
@@ -52,38 +48,38 @@ def _wide_sum(wire: str) -> Callable[..., None]:
     """The host stage's reduction of half-precision blocks into a float32 block: 16-bit words
     cross shared memory, the host's sum is float32 and is not rounded before the hop."""
     def reduce(out: np.ndarray, peers: Sequence[np.ndarray], first: np.ndarray) -> None:
-        out[:] = _widen(first, wire)
+        out[:] = widen(first, wire)
         for peer in peers:
-            out += _widen(peer, wire)
+            out += widen(peer, wire)
     return reduce
 
 
 def _finish(block: np.ndarray, dst: np.ndarray, op: ReduceOp, dtype: str, count: int) -> None:
     if dtype in _HALF and block.dtype == np.float32:
         finalize(block, op, count, "float32")
-        _narrow(block, dst, dtype)
+        narrow(block, dst, dtype)
     else:
         finalize(block, op, count, dtype)
         if block is not dst:
             np.copyto(dst, block)
 
 
-def reducescatter(comm: Transport, src: np.ndarray, dst: np.ndarray, bounds: Sequence[int],
+def reducescatter(transport: Transport, src: np.ndarray, dst: np.ndarray, bounds: Sequence[int],
                   op: ReduceOp, dtype: str, what: str) -> None:
     """Reduce the flat ``src`` over every rank; keep ``[bounds[rank], bounds[rank + 1])`` of
     the result in ``dst`` (see the module for the route taken)."""
-    me, n, world = comm.rank, comm.size, comm.world
+    me, n, world = transport.rank, transport.size, transport.world
     if n == 1:
         np.copyto(dst, src[bounds[me]:bounds[me + 1]])
         return
-    if comm.one_host_shm:
+    if transport.one_host_shm:
         divide = n if op == ReduceOp.AVERAGE else 0
-        comm.shm.reducescatter(src, dst, bounds,
-                               functools.partial(reduce_into, op=op, dtype=dtype,
-                                                 divide_by=divide), what)
+        transport.host_reducescatter(src, dst, bounds,
+                                     functools.partial(reduce_into, op=op, dtype=dtype,
+                                                       divide_by=divide), what)
         return
-    if comm.shm is None or not world.homogeneous:
-        block = _over_ring(comm, range(n), src.copy(), bounds, op, dtype, what)
+    if not transport.has_shm or not world.homogeneous:
+        block = _over_ring(transport, range(n), src.copy(), bounds, op, dtype, what)
         _finish(block, dst, op, dtype, n)
         return
     # hierarchical: blocks regrouped by local rank, then by host
@@ -98,9 +94,9 @@ def reducescatter(comm: Transport, src: np.ndarray, dst: np.ndarray, bounds: Seq
     lr = world.local_rank
     wide = dtype in _HALF and op in (ReduceOp.SUM, ReduceOp.AVERAGE)
     mine = np.empty(local_bounds[lr + 1] - local_bounds[lr], np.float32 if wide else src.dtype)
-    comm.shm.reducescatter(perm, mine, local_bounds, _wide_sum(dtype) if wide else
-                           functools.partial(reduce_into, op=op, dtype=dtype), what)
+    transport.host_reducescatter(perm, mine, local_bounds, _wide_sum(dtype) if wide else
+                                 functools.partial(reduce_into, op=op, dtype=dtype), what)
     cross_bounds = [s - local_bounds[lr] for s in starts[lr * hosts:(lr + 1) * hosts + 1]]
-    block = _over_ring(comm, world.cross_peers, mine, cross_bounds, op,
+    block = _over_ring(transport, world.cross_peers, mine, cross_bounds, op,
                        "float32" if wide else dtype, what)
     _finish(block, dst, op, dtype, n)

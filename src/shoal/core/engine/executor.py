@@ -16,9 +16,10 @@ from typing import Any
 
 import numpy as np
 
-from ..comm import Transport
+from .. import algorithms
 from ..config import Config
 from ..timeline import Timeline
+from ..transport import Transport
 from .requests import Kind, Request
 
 __all__ = ["Executor"]
@@ -68,8 +69,9 @@ class Executor:
         for req in bucket:
             req.make_ready()
         start = time.perf_counter()
-        self.transport.allreduce([r.array for r in bucket], [r.out for r in bucket], first.op,
-                                 first.dtype, first.codec, what, phases)
+        algorithms.allreduce(self.transport, [r.array for r in bucket],
+                             [r.out for r in bucket], first.op, first.dtype, first.codec, what,
+                             phases)
         end = time.perf_counter()
         for req in bucket:
             req.future.set_result(req.out if req.result is None else req.result)
@@ -93,7 +95,8 @@ class Executor:
             transport.broadcast(req.out, req.root, what)
             result: Any = req.out if req.result is None else req.result
         elif req.kind is Kind.REDUCESCATTER:
-            transport.reducescatter(req.array, req.out, req.extra, req.op, req.dtype, what)
+            algorithms.reducescatter(transport, req.array, req.out, req.extra, req.op,
+                                     req.dtype, what)
             result = req.out if req.result is None else req.result
         elif req.kind is Kind.ALLGATHER:
             rows = [int(extra[r]) for r in range(self.size)]

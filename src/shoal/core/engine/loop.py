@@ -36,11 +36,11 @@ from typing import Any
 
 import numpy as np
 
-from ..comm import Transport
 from ..config import Config
 from ..errors import CollectiveMismatchError, PeerLostError, ShoalError
 from ..ops import ReduceOp
 from ..timeline import Timeline
+from ..transport import Transport
 from .executor import Executor
 from .names import NameCache
 from .negotiator import JOINED, STUCK, decide, encode

@@ -25,9 +25,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ..comm import Transport
 from ..config import Config
 from ..ops import ReduceOp, reduce_into
+from ..transport import Transport
 from .names import NameCache
 from .negotiator import FAST, encode
 
