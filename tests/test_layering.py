@@ -108,3 +108,23 @@ def test_no_module_imports_a_private_name_of_another() -> None:
              if name.startswith("_") and not name.startswith("__")
              and name not in _exported(mod)]
     assert found == []
+
+
+def test_process_state_lives_in_the_runtime_only() -> None:
+    """The default communicator, the process sets and the elastic client are fields of
+    ``shoal.core.runtime.RUNTIME``; the core's modules keep no module-level registry of them
+    (a mutable container or a None-initialised module global)."""
+    found = []
+    for p in _files("core"):
+        for node in ast.parse(p.read_text()).body:
+            target = node.target if isinstance(node, ast.AnnAssign) else (
+                node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1
+                else None)
+            if not isinstance(target, ast.Name) or target.id.isupper() or \
+                    target.id.startswith("__"):
+                continue
+            value = node.value
+            if isinstance(value, (ast.Dict, ast.List, ast.Set)) or (
+                    isinstance(value, ast.Constant) and value.value is None):
+                found.append(f"{p.relative_to(SRC)}:{node.lineno} {target.id}")
+    assert found == []

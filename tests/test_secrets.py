@@ -127,8 +127,8 @@ def test_secret_file_is_read(tmp_path) -> None:
 
 
 def test_a_job_without_a_secret_on_several_hosts_says_so(caplog) -> None:
-    from shoal.core import communicator
-    communicator._said_exposed.clear()
+    from shoal.core.runtime import RUNTIME
+    RUNTIME.said.discard("exposed")
     store = _OpenStore()
     with caplog.at_level(logging.WARNING, logger="shoal"):
         comms = _meet(store, 2, ["a", "b"])

@@ -15,7 +15,6 @@ import dataclasses
 import functools
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
@@ -27,6 +26,7 @@ from .collectives import Handle
 from .communicator import Communicator, local_address
 from .errors import AuthenticationError, NotInitializedError
 from .rendezvous import StoreClient, StoreClosedError, StoreServer
+from .runtime import RUNTIME
 from .store import PrefixStore
 
 __all__ = [
@@ -61,8 +61,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("shoal")
-_lock = threading.RLock()
-_state: dict[str, Any] = {"comm": None, "generation": 0}
 
 
 def init(comm: Sequence[int] | Any = None,
@@ -103,13 +101,13 @@ def init(comm: Sequence[int] | Any = None,
                              f"or 'dynamic'")
         process_sets = ()
     process_sets = list(process_sets or ())
-    if rank is None and os.environ.get("SHOAL_ELASTIC_ID") and _state["comm"] is None:
+    if rank is None and os.environ.get("SHOAL_ELASTIC_ID") and RUNTIME.comm is None:
         from . import elastic
 
         elastic.join_world()
         return
-    with _lock:
-        if _state["comm"] is not None:
+    with RUNTIME.lock:
+        if RUNTIME.comm is not None:
             return
         cfg = config.load(**settings)
         _configure_logging(cfg)
@@ -127,16 +125,16 @@ def init(comm: Sequence[int] | Any = None,
         process_sets_.check_static(process_sets, info.size, info.rank)
         # a part of one (``comm``) whose process serves the store goes on serving it
         if info.size == 1 and not (serving and members is not None):
-            _state["comm"] = Communicator.create(None, 0, 1, cfg=cfg, hostname=info.hostname)
-            process_sets_.bind(_state["comm"], process_sets)
+            RUNTIME.comm = Communicator.create(None, 0, 1, cfg=cfg, hostname=info.hostname)
+            process_sets_.bind(RUNTIME.comm, process_sets)
             return
-        _state["generation"] += 1
+        RUNTIME.generation += 1
         deadline = time.monotonic() + cfg.start_timeout_s
         closed_handshakes = 0
         while True:
             try:
                 comm = _join(info, cfg, serving,
-                             store_prefix or f"shoal/g{_state['generation']}")
+                             store_prefix or f"shoal/g{RUNTIME.generation}")
                 break
             except (StoreClosedError, AuthenticationError) as exc:
                 # the store of an earlier generation was still up and went away under us
@@ -154,7 +152,7 @@ def init(comm: Sequence[int] | Any = None,
         except BaseException:
             comm.close()
             raise
-        _state["comm"] = comm
+        RUNTIME.comm = comm
         process_sets_.bind(comm, process_sets)
 
 
@@ -241,8 +239,8 @@ def _join(info: topology.LaunchInfo, cfg: config.Config, serving: bool,
 def shutdown() -> None:
     """Close the default communicator: its threads, sockets and shared memory. ``init()``
     may be called again."""
-    with _lock:
-        comm, _state["comm"] = _state["comm"], None
+    with RUNTIME.lock:
+        comm, RUNTIME.comm = RUNTIME.comm, None
         process_sets_.unbind()
         if comm is not None:
             comm.close()
@@ -253,17 +251,17 @@ atexit.register(shutdown)
 
 def default_communicator() -> Communicator | None:
     """The default communicator, or None before ``init()`` (no error)."""
-    return _state["comm"]
+    return RUNTIME.comm
 
 
 def is_initialized() -> bool:
     """Whether ``init()`` has run (and ``shutdown()`` has not)."""
-    return _state["comm"] is not None
+    return RUNTIME.comm is not None
 
 
 def communicator() -> Communicator:
     """The default communicator; :class:`NotInitializedError` before ``init()``."""
-    comm = _state["comm"]
+    comm = RUNTIME.comm
     if comm is None:
         raise NotInitializedError("shoal is not initialized: call shoal.init() first")
     return comm
@@ -274,7 +272,7 @@ def timeline_range(name: str, track: str = "training") -> Iterator[None]:
     """Mark a stretch of the caller's work (``"BACKWARD"``, ``"STEP"``) on the timeline, on
     its own ``track``, so the reductions can be seen against it. Does nothing when shoal is not
     initialised or no timeline is being written (``SHOAL_TIMELINE``)."""
-    comm = _state["comm"]
+    comm = RUNTIME.comm
     timeline = comm.timeline if comm is not None else None
     if timeline is None:
         yield

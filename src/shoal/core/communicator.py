@@ -32,6 +32,7 @@ from .engine import Engine
 from .errors import AuthenticationError, PeerLostError, ShoalError
 from .liveness import MODES, Liveness
 from .p2p import P2PHandle, PeerMessages
+from .runtime import RUNTIME
 from .store import PrefixStore, Store
 from .timeline import Timeline
 from .transport import Transport
@@ -350,14 +351,10 @@ def _agree_secret(store: Store, rank: int, size: int, agreement: KeyAgreement,
     return job_secret.hex()
 
 
-_said_exposed: list[bool] = []
-
-
 def _say_exposed(world: topology.World) -> None:
     """Once per process, on rank 0: what a job without a shared secret is exposed to."""
-    if _said_exposed:
+    if not RUNTIME.say_once("exposed"):
         return
-    _said_exposed.append(True)
     where = (f"{world.cross_size} hosts" if world.cross_size > 1 else "one host")
     say = log.warning if world.cross_size > 1 else log.info
     say("no SHOAL_SECRET on %s: connections are authenticated with a key rank 0 handed out "

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import ConfigError
+from .runtime import RUNTIME
 
 __all__ = ["KNOBS", "Config", "Knob", "describe", "env_name", "load", "override",
            "parse_bytes"]
@@ -150,7 +151,6 @@ def env_name(knob: str) -> str:
 
 
 _ENV_TO_KNOB = {env_name(k): k for k in KNOBS}
-_overrides: dict[str, Any] = {}
 
 
 @dataclass(frozen=True)
@@ -205,7 +205,7 @@ def load(environ: Mapping[str, str] | None = None, **explicit: Any) -> Config:
             except ValueError as exc:
                 raise ConfigError(f"{env_name(name)}={raw!r} is not valid: {exc}") from None
         values[name] = value
-    values.update(_overrides)
+    values.update(RUNTIME.overrides)
     values.update({k: v for k, v in explicit.items() if v is not None})
     if not values.get("secret") and values.get("secret_file"):
         values["secret"] = _read_secret(values["secret_file"])
@@ -221,13 +221,13 @@ def load(environ: Mapping[str, str] | None = None, **explicit: Any) -> Config:
 def override(**values: Any) -> Iterator[None]:
     """Temporarily override knobs in this process (for tests)."""
     _check_names(values)
-    saved = dict(_overrides)
-    _overrides.update(values)
+    saved = dict(RUNTIME.overrides)
+    RUNTIME.overrides.update(values)
     try:
         yield
     finally:
-        _overrides.clear()
-        _overrides.update(saved)
+        RUNTIME.overrides.clear()
+        RUNTIME.overrides.update(saved)
 
 
 def describe() -> str:

@@ -36,6 +36,7 @@ from typing import Any, TypeVar
 from . import api
 from .auth import secret_bytes
 from .errors import CollectiveMismatchError, ShoalError, ShoalTimeoutError
+from .runtime import RUNTIME
 
 __all__ = ["ELASTIC_ID_VAR", "WORLD_KEY", "HostsUpdatedInterrupt", "ObjectState", "State",
            "WorldPlan", "elastic_job", "join_world", "reset", "run_fn", "world_broken",
@@ -46,8 +47,6 @@ ELASTIC_ID_VAR = "SHOAL_ELASTIC_ID"
 #: The store key under which the driver publishes the current world (JSON).
 WORLD_KEY = "elastic/world"
 _F = TypeVar("_F", bound=Callable[..., Any])
-_joined = {"version": -1}
-_client: dict[str, Any] = {}
 _log = logging.getLogger("shoal.elastic")
 
 
@@ -88,17 +87,17 @@ def _store() -> Any:
     every step must not open a connection each time); a new one after a failure."""
     from .rendezvous import StoreClient
 
-    client = _client.get("store")
+    client = RUNTIME.elastic_store
     if client is None:
         key = secret_bytes(os.environ["SHOAL_SECRET"])
-        client = _client["store"] = StoreClient(
+        client = RUNTIME.elastic_store = StoreClient(
             os.environ["SHOAL_RENDEZVOUS_ADDR"], int(os.environ["SHOAL_RENDEZVOUS_PORT"]), key,
             timeout=10.0, connect_timeout=10.0)
     return client
 
 
 def _drop_store() -> None:
-    client = _client.pop("store", None)
+    client, RUNTIME.elastic_store = RUNTIME.elastic_store, None
     if client is not None:
         with contextlib.suppress(Exception):
             client.close()
@@ -122,7 +121,7 @@ def elastic_job() -> bool:
 
 def world_version() -> int:
     """The version of the world this worker last joined (-1: none)."""
-    return _joined["version"]
+    return RUNTIME.elastic_version
 
 
 def join_world(timeout: float | None = None) -> WorldPlan:
@@ -142,7 +141,7 @@ def join_world(timeout: float | None = None) -> WorldPlan:
     deadline = time.monotonic() + wait
     while True:
         plan = _read_plan(_store())
-        if plan is not None and plan.version > _joined["version"] and me in plan.members:
+        if plan is not None and plan.version > RUNTIME.elastic_version and me in plan.members:
             break
         if time.monotonic() > deadline:
             raise ShoalTimeoutError(f"elastic worker {me}: no world named it within "
@@ -155,7 +154,7 @@ def join_world(timeout: float | None = None) -> WorldPlan:
     api.init(rank=rank, size=len(plan.members), local_rank=local.index(rank),
              local_size=len(local), hostname=host, job_id=f"{base}-w{plan.version}",
              store_prefix=f"elastic/w{plan.version}", serve_store=False)
-    _joined["version"] = plan.version
+    RUNTIME.elastic_version = plan.version
     return plan
 
 
@@ -204,7 +203,7 @@ class State:
         newer = None
         if self._rank() == 0:  # rank 0 asks the driver; the others take its answer
             plan = latest_plan()
-            if plan is not None and plan.version > _joined["version"]:
+            if plan is not None and plan.version > RUNTIME.elastic_version:
                 newer = (plan.version, plan.added)
         newer = self._bcast_object(newer)
         if newer is not None:
