@@ -18,7 +18,7 @@ import numpy as np
 
 from .compression import Codec, Compression
 from .engine import Engine, Kind, Request
-from .ops import ReduceOp, check_array, scale
+from .ops import ReduceOp, check_array, check_rows, scale
 
 __all__ = ["Collectives", "Handle"]
 
@@ -223,9 +223,7 @@ class Collectives:
         engine = self.engine
         given, name = name, self._auto_name(kind.value, name)
         dtype = check_array(array, f"{kind.value} tensor {name!r}", engine.rank)
-        if array.ndim == 0:
-            raise ValueError(f"rank {engine.rank}: {kind.value} tensor {name!r} is a scalar; "
-                             f"reshape it to (1,)")
+        check_rows(array.ndim, kind.value, name, engine.rank)
         trailing = tuple(array.shape[1:])
         desc = f"{kind.value} shape=(*, {', '.join(map(str, trailing))}) dtype={dtype}"
         extra, flat = extra_of(name), _storage(array, dtype)
@@ -326,9 +324,7 @@ class Collectives:
         engine = self.engine
         op = ReduceOp(op)
         given, name = name, self._auto_name("reducescatter", name)
-        if getattr(array, "ndim", 1) == 0:
-            raise ValueError(f"rank {engine.rank}: reducescatter tensor {name!r} is a scalar; "
-                             f"it needs at least one dimension to scatter")
+        check_rows(getattr(array, "ndim", None), "reducescatter", name, engine.rank)
         if op not in (ReduceOp.SUM, ReduceOp.AVERAGE, ReduceOp.MIN, ReduceOp.MAX,
                       ReduceOp.PRODUCT):
             raise NotImplementedError(f"rank {engine.rank}: reducescatter does not support op "

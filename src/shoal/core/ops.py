@@ -24,6 +24,7 @@ __all__ = [
     "Sum",
     "bf16_to_f32",
     "check_array",
+    "check_rows",
     "f32_to_bf16",
     "finalize",
     "logical_dtype",
@@ -115,6 +116,16 @@ def check_array(array: object, what: str, rank: int, op: ReduceOp | None = None,
             raise TypeError(f"rank {rank}: {what} has dtype {dtype}; bitwise op "
                             f"{op.name} needs an integer or bool tensor")
     return dtype
+
+
+def check_rows(ndim: int | None, kind: str, name: str | None, rank: int) -> None:
+    """ValueError for a scalar given to a collective that works on rows (dimension 0):
+    allgather, alltoall, reducescatter. Adapters call it on every tensor of a grouped call
+    before submitting any, so a refused call moves no data."""
+    if ndim == 0:
+        what = f"{kind} tensor" + ("" if name is None else f" {name!r}")
+        raise ValueError(f"rank {rank}: {what} is a scalar; {kind} works on rows (dimension "
+                         f"0): reshape it to (1,)")
 
 
 def bf16_to_f32(words: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:

@@ -17,6 +17,7 @@ import tensorflow as tf
 
 from shoal.core import process_sets as ps_
 from shoal.core.compression import Compression, user_compressor, wire_codec
+from shoal.core.gradients import reducescatter_grad_scale, sparse_scale
 from shoal.core.ops import ReduceOp, resolve_op
 
 from . import ops
@@ -59,15 +60,13 @@ def _decompress(compression: Any, tensors: list[tf.Tensor], ctxs: Any) -> list[t
 def _sparse(t: Any, op: ReduceOp, pre: float, post: float, process_set: Any
             ) -> tf.IndexedSlices:
     """Horovod's reduction of ``IndexedSlices``: allgather the values and indices."""
-    if op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
-        raise NotImplementedError(f"only Sum and Average reduce tf.IndexedSlices, not "
-                                  f"{op.name.capitalize()}; pass sparse_as_dense=True")
-    if pre != 1.0 or post != 1.0:
+    scale = sparse_scale(op, ops.set_size(process_set), what="a tf.IndexedSlices")
+    if pre != 1.0 or post != 1.0:  # (Horovod's TensorFlow refuses them here)
         raise NotImplementedError("prescale_factor/postscale_factor are not supported with "
                                   "tf.IndexedSlices; pass sparse_as_dense=True")
     values, indices = ops.allgather_n([t.values, t.indices], process_set=process_set)
-    if op == ReduceOp.AVERAGE:
-        values = values / tf.cast(ops.set_size(process_set), values.dtype)
+    if scale != 1.0:
+        values = values * tf.cast(scale, values.dtype)
     return tf.IndexedSlices(values, indices, dense_shape=t.dense_shape)
 
 
@@ -195,8 +194,8 @@ def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "",
                                    process_set=process_set)
 
     def backward(grads: list[tf.Tensor]) -> list[tf.Tensor]:
-        factor = (ops.set_size(process_set) if op == ReduceOp.SUM else 1) * \
-            prescale_factor * postscale_factor
+        factor = reducescatter_grad_scale(op, ops.set_size(process_set), prescale_factor,
+                                          postscale_factor)
         grads = [g if factor == 1 else g * tf.cast(factor, g.dtype) for g in grads]
         return [ops.allgather_n([g], process_set=process_set)[0] for g in grads]
 

@@ -93,9 +93,8 @@ def broadcast_variables(variables: Sequence[Any], root_rank: int = 0, name: str 
 def broadcast_object(obj: Any, root_rank: int = 0, session: Any = None, name: str | None = None,
                      process_set: Any = ps_.global_process_set) -> Any:
     """A picklable object from global rank ``root_rank`` on every rank (eager code)."""
-    ps = process_set if process_set is not None else ps_.global_process_set
     return ps_.communicator_for(process_set).broadcast_object(
-        obj, ps.local_rank_of(root_rank), name=name)
+        obj, ps_.set_root(process_set, root_rank), name=name)
 
 
 def broadcast_object_fn(root_rank: int = 0, session: Any = None, name: str | None = None,

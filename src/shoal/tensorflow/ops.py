@@ -19,7 +19,7 @@ import tensorflow as tf
 
 from shoal.core import process_sets as ps_
 from shoal.core.compression import Codec, Compression
-from shoal.core.ops import ReduceOp
+from shoal.core.ops import ReduceOp, check_rows
 
 from .bridge import run
 
@@ -60,9 +60,7 @@ def allgather_n(tensors: Sequence[Any], *, name: str | None = None,
     """Each tensor concatenated along dim 0 over the set (lengths may differ)."""
     tensors = [tf.convert_to_tensor(t) for t in tensors]
     for t in tensors:
-        if t.shape.rank == 0:
-            raise ValueError(f"rank {ps_.communicator_for(process_set).rank}: allgather of a "
-                             f"scalar tensor; reshape it to [1]")
+        check_rows(t.shape.rank, "allgather", name, ps_.communicator_for(process_set).rank)
 
     def gather(base: str | None, arrays: list[np.ndarray]) -> list[np.ndarray]:
         comm = ps_.communicator_for(process_set)
@@ -73,19 +71,10 @@ def allgather_n(tensors: Sequence[Any], *, name: str | None = None,
     return run(gather, tensors, label="allgather", name=name, out_shapes=shapes)
 
 
-def _set_root(process_set: Any, root_rank: int) -> int:
-    ps = process_set if process_set is not None else ps_.global_process_set
-    comm = ps_.communicator_for(process_set)
-    if not isinstance(root_rank, int | np.integer) or not 0 <= root_rank < \
-            ps_.communicator_for(None).size:
-        raise ValueError(f"rank {comm.rank}: root_rank {root_rank!r} is not a rank of this job")
-    return ps.local_rank_of(int(root_rank))
-
-
 def broadcast_n(tensors: Sequence[Any], root_rank: int, *, name: str | None = None,
                 process_set: Any = None, label: str = "broadcast") -> list[tf.Tensor]:
     """Global rank ``root_rank``'s tensors, on every member of the set."""
-    root = _set_root(process_set, root_rank)
+    root = ps_.set_root(process_set, root_rank)
 
     def bcast(base: str | None, arrays: list[np.ndarray]) -> list[np.ndarray]:
         comm = ps_.communicator_for(process_set)
@@ -101,9 +90,7 @@ def alltoall_1(tensor: Any, splits: Any = None, *, name: str | None = None,
     """``(output, received_splits)``: ``splits[i]`` rows of ``tensor`` went to rank ``i``
     of the set (even division without ``splits``)."""
     tensor = tf.convert_to_tensor(tensor)
-    if tensor.shape.rank == 0:
-        raise ValueError(f"rank {ps_.communicator_for(process_set).rank}: alltoall of a "
-                         f"scalar tensor; reshape it to [1]")
+    check_rows(tensor.shape.rank, "alltoall", name, ps_.communicator_for(process_set).rank)
     inputs = [tensor]
     if splits is not None:
         splits = tf.convert_to_tensor(splits)
@@ -130,9 +117,8 @@ def reducescatter_n(tensors: Sequence[Any], op: ReduceOp, *, prescale: float = 1
     """This rank's block of dim 0 of each reduction (earlier ranks get the extra rows)."""
     tensors = [tf.convert_to_tensor(t) for t in tensors]
     for t in tensors:
-        if t.shape.rank == 0:
-            raise ValueError(f"rank {ps_.communicator_for(process_set).rank}: reducescatter "
-                             f"of a scalar tensor; it needs a dimension to scatter")
+        check_rows(t.shape.rank, "reducescatter", name,
+                   ps_.communicator_for(process_set).rank)
 
     def scatter(base: str | None, arrays: list[np.ndarray]) -> list[np.ndarray]:
         comm = ps_.communicator_for(process_set)

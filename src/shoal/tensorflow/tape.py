@@ -28,6 +28,7 @@ import tensorflow as tf
 
 from shoal.core import process_sets as ps_
 from shoal.core.compression import Compression
+from shoal.core.gradients import check_predivide, predivide
 from shoal.core.ops import ReduceOp, resolve_op
 
 from .collectives import grouped_allreduce
@@ -70,14 +71,9 @@ def reduce_gradients(grads: Sequence[Any], variables: Sequence[Any] | None = Non
                      groups: Any = None, process_set: Any = None,
                      name: str | None = None) -> list[Any]:
     """A flat list of gradients reduced across the process set (``None`` stays ``None``)."""
-    op = resolve_op(None, op)
-    sparse_op, pre, post = op, 1.0, 1.0
-    if gradient_predivide_factor != 1.0:
-        if op != ReduceOp.AVERAGE:
-            raise ValueError("gradient_predivide_factor only applies to op=Average")
-        size = ps_.communicator_for(process_set).size
-        op, pre, post = ReduceOp.SUM, 1.0 / gradient_predivide_factor, \
-            gradient_predivide_factor / size
+    sparse_op = op = resolve_op(None, op)
+    size = ps_.communicator_for(process_set).size if gradient_predivide_factor != 1.0 else 1
+    op, pre, post = predivide(op, gradient_predivide_factor, size)
     out = list(grads)
     if sparse_as_dense:
         out = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in out]
@@ -137,8 +133,7 @@ class DistributedGradientTape(tf.GradientTape):
         if num_groups and groups is not None:
             raise ValueError("pass either num_groups or groups, not both")
         op = resolve_op(None, op)
-        if gradient_predivide_factor != 1.0 and op != ReduceOp.AVERAGE:
-            raise ValueError("gradient_predivide_factor only applies to op=Average")
+        check_predivide(op, gradient_predivide_factor)
         self._gradtape = gradtape
         self._reduce = dict(compression=compression, sparse_as_dense=sparse_as_dense, op=op,
                             gradient_predivide_factor=gradient_predivide_factor,

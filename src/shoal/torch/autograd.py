@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from shoal.core.gradients import reducescatter_grad_scale
 from shoal.core.ops import ReduceOp, resolve_op
 from shoal.core.process_sets import communicator_for
 
@@ -129,7 +130,7 @@ class _Reducescatter(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         op, process_set, pre, post = ctx.args
-        factor = (_size(process_set) if op == ReduceOp.SUM else 1) * pre * post
+        factor = reducescatter_grad_scale(op, _size(process_set), pre, post)
         grads = [g * factor if factor != 1 else g for g in grads]
         return (*[None] * 5, *grouped_allgather(grads, process_set=process_set))
 

@@ -47,6 +47,7 @@ import shoal
 from shoal.core import config
 from shoal.core.auth import secret_bytes
 from shoal.core.communicator import Communicator, local_address
+from shoal.core.gradients import sparse_scale
 
 from .meet import meet_fresh
 from .monitor import admit_monitored_barrier, monitored_barrier
@@ -244,9 +245,8 @@ class ShoalProcessGroup(dist.ProcessGroup):
         """Sparse COO tensors (gloo's sparse allreduce): every rank's indices and values are
         gathered and summed, the result coalesced into the tensor in place."""
         kind, prescale = self._op(op)
-        if _OPS[kind] not in (shoal.Sum, shoal.Average):
-            raise NotImplementedError(f"rank {self.rank()}: sparse all_reduce supports SUM, "
-                                      f"AVG and PREMUL_SUM, not {kind}")
+        scale = sparse_scale(_OPS[kind], self.size(), prescale, rank=self.rank(),
+                             what=f"a sparse all_reduce ({kind})")
         slot, names = self._names(2 * len(tensors))
         parts, handles = [], []
         for i, tensor in enumerate(tensors):
@@ -264,10 +264,8 @@ class ShoalProcessGroup(dist.ProcessGroup):
                 (idx, _), (vals, bf16) = parts[2 * i], parts[2 * i + 1]
                 got_idx = result_tensor(handles[2 * i].wait(0), idx, False)
                 got_vals = result_tensor(handles[2 * i + 1].wait(0), vals, bf16)
-                total = torch.sparse_coo_tensor(got_idx.t(), got_vals * prescale,
+                total = torch.sparse_coo_tensor(got_idx.t(), got_vals * scale,
                                                 tensor.size()).coalesce()
-                if _OPS[kind] is shoal.Average:
-                    total = total / self.size()
                 tensor.copy_(total)
             return list(tensors)
         return self._work(slot, handles, finish, tensors)

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from shoal.core.collectives import Handle
+from shoal.core.gradients import predivide
 from shoal.core.ops import ReduceOp
 from shoal.core.process_sets import communicator_for
 
@@ -211,9 +212,7 @@ class Buckets:
                 b.staged.order_after_copy()
 
     def _submit(self, b: _Bucket) -> None:
-        op, prescale = self._op, 1.0
-        if self._predivide != 1.0:
-            op, prescale = ReduceOp.SUM, 1.0 / self._predivide
+        op, prescale, _ = predivide(self._op, self._predivide, self._comm.size)
         if b.padded is not b.flat and self._user is None and \
                 op in (ReduceOp.SUM, ReduceOp.AVERAGE):
             # SMDDP's shape: reduce-scatter among the host's GPUs, the shard across hosts
@@ -253,7 +252,7 @@ class Buckets:
             self._sparse[p] = sparse_allreduce_async(p.grad, f"grad.sparse.{self._names[p]}",
                                                      self._op, self._process_set)
         self._sparse_later.clear()
-        post = self._predivide / self._comm.size if self._predivide != 1.0 else 1.0
+        _, _, post = predivide(self._op, self._predivide, self._comm.size)
         error: BaseException | None = None
         for b in self._buckets:
             assert b.handle is not None and b.staged is not None

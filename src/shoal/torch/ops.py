@@ -17,7 +17,8 @@ import torch
 
 from shoal.core import process_sets as ps_
 from shoal.core.collectives import Handle
-from shoal.core.ops import ReduceOp, resolve_op
+from shoal.core.gradients import sparse_scale
+from shoal.core.ops import ReduceOp, check_rows, resolve_op
 
 from .compression import Compression, wire_codec
 from .tensors import Staged, result_tensor, stage
@@ -131,7 +132,8 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None, op: ReduceOp 
     """Reduce a sparse COO tensor as Horovod does: allgather its indices and values (the
     result is uncoalesced; duplicates sum). Returns a function that waits and returns it."""
     t = tensor.coalesce() if not tensor.is_coalesced() else tensor
-    op = resolve_op(None, op)
+    comm = ps_.communicator_for(process_set)
+    scale = sparse_scale(resolve_op(None, op), comm.size, rank=comm.rank)
     name = name or None
     indices = allgather_async(t.indices().transpose(0, 1).contiguous(),
                               None if name is None else f"{name}.indices", process_set)
@@ -140,8 +142,8 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None, op: ReduceOp 
 
     def result() -> torch.Tensor:
         vals, idx = synchronize(values), synchronize(indices)
-        if op == Average:
-            vals = vals / ps_.communicator_for(process_set).size
+        if scale != 1.0:
+            vals = vals * scale
         return torch.sparse_coo_tensor(idx.transpose(0, 1), vals, t.size())
     return result
 
@@ -152,9 +154,7 @@ def _allgather_async(tensors: Sequence[torch.Tensor], name: str | None, process_
     comm = ps_.communicator_for(process_set)
     staged: list[Staged] = [stage(t) for t in tensors]
     for t in tensors:
-        if t.dim() == 0:
-            raise ValueError(f"rank {comm.rank}: allgather of a scalar tensor; reshape it "
-                             f"to (1,)")
+        check_rows(t.dim(), "allgather", name, comm.rank)
     handles = [comm.allgather_async(s.array, part, ready=s.ready) for s, part in
                zip(staged, _parts(name, len(tensors)) if grouped else [name], strict=True)]
 
@@ -177,8 +177,7 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = 
 def _broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None, process_set: Any,
                      inplace: bool) -> TorchHandle:
     comm = ps_.communicator_for(process_set)
-    root = ps_.global_process_set.local_rank_of(root_rank) if process_set is None else \
-        process_set.local_rank_of(root_rank)
+    root = ps_.set_root(process_set, root_rank)
     s = stage(tensor, copy=not inplace)
     return TorchHandle([comm.broadcast_async(s.array, root, name, ready=s.ready)],
                        lambda _: s.finish())
@@ -206,8 +205,7 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = 
             raise ValueError(f"rank {comm.rank}: alltoall splits must be an int32 or int64 "
                              f"tensor, not {splits.dtype}")
         splits = splits.tolist()
-    if tensor.dim() == 0:
-        raise ValueError(f"rank {comm.rank}: alltoall of a scalar tensor; reshape it to (1,)")
+    check_rows(tensor.dim(), "alltoall", name, comm.rank)
     s = stage(tensor)
 
     def finish(results: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -41,6 +41,7 @@ import torch
 import shoal
 from shoal.core.api import default_communicator
 from shoal.core.elastic import elastic_job
+from shoal.core.gradients import check_predivide
 from shoal.core.ops import ReduceOp
 from shoal.core.process_sets import communicator_for
 
@@ -157,8 +158,7 @@ class DistributedOptimizer(Wrapper):
             raise NotImplementedError("op=Adasum is not supported by shoal; use Average or Sum")
         if backward_passes_per_step < 1:
             raise ValueError("backward_passes_per_step must be >= 1")
-        if gradient_predivide_factor != 1.0 and op != ReduceOp.AVERAGE:
-            raise ValueError("gradient_predivide_factor only applies to op=Average")
+        check_predivide(op, gradient_predivide_factor)
         # share, do not copy: schedulers and user code edit param_groups through either object;
         # Optimizer.__init__ is not called (it would copy the groups), so set up its hook
         # registries here for the torch utilities that use them

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from shoal.core.process_sets import communicator_for
+from shoal.core.process_sets import communicator_for, set_root
 
 from .ops import broadcast_async_
 
@@ -110,8 +110,8 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
                      process_set: Any = None) -> Any:
     """Send a picklable object (tensors included) from global rank ``root_rank`` to every
     rank of the process set."""
-    root = root_rank if process_set is None else process_set.local_rank_of(root_rank)
-    return communicator_for(process_set).broadcast_object(obj, root, name=name)
+    return communicator_for(process_set).broadcast_object(
+        obj, set_root(process_set, root_rank), name=name)
 
 
 def allgather_object(obj: Any, name: str | None = None, process_set: Any = None) -> list[Any]:
