@@ -153,7 +153,7 @@ def test_single_process_world() -> None:
 
 def test_bfloat16_rounds_like_ml_dtypes() -> None:
     pytest.importorskip("ml_dtypes")
-    from shoal.core.ops import bf16_to_f32, f32_to_bf16
+    from shoal.core.reduction import bf16_to_f32, f32_to_bf16
     rng = np.random.default_rng(0)
     x = (rng.standard_normal(10_000) * 1e3).astype(np.float32)
     x[:4] = [np.nan, np.inf, -np.inf, 0.0]

@@ -141,9 +141,9 @@ def test_timeline_is_chrome_trace_with_every_phase(tmp_path) -> None:
 
 def _big_negotiation(rank: int) -> list[int]:
     import shoal
-    comm = shoal.communicator().transport
+    transport = shoal.communicator().transport
     blob = bytes([rank]) * [0, 10, 10_000, 5][rank]  # up to 2.5 slots of 4 KiB
-    got = comm.gather_all(blob, "test")
+    got = transport.gather_all(blob, "test")
     return [len(b) for b in got] + [int(all(set(b) <= {r} for r, b in enumerate(got)))]
 
 

@@ -17,7 +17,7 @@ from shoal.core.engine.negotiator import decide, encode
 from shoal.core.engine.requests import Kind, Request
 from shoal.core.engine.stalls import StallInspector
 from shoal.core.errors import ShoalTimeoutError
-from shoal.core.ops import ReduceOp
+from shoal.core.reduction import ReduceOp
 from shoal.core.transport import Transport
 
 AR = "allreduce float32 (4,) Sum none"

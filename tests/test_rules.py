@@ -8,7 +8,7 @@ import pytest
 
 from harness import run_ranks
 from shoal.core.gradients import check_predivide, predivide, reducescatter_grad_scale, sparse_scale
-from shoal.core.ops import ReduceOp, check_rows
+from shoal.core.reduction import ReduceOp, check_rows
 
 
 def test_predivide_splits_an_average_around_the_sum() -> None:

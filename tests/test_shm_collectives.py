@@ -25,11 +25,11 @@ def _data(tag: str, rank: int, shape: tuple[int, ...], dtype: str) -> np.ndarray
 def _collectives(rank: int, forbid_tcp: bool) -> str:
     import shoal
     n = shoal.size()
-    comm = shoal.communicator().engine.transport
-    if forbid_tcp and comm.mesh is not None:
+    transport = shoal.communicator().engine.transport
+    if forbid_tcp and transport.mesh is not None:
         def no_tcp(*_a, **_k):
             raise AssertionError("data went over TCP on one host")
-        comm.mesh.exchange = no_tcp
+        transport.mesh.exchange = no_tcp
     for i, dtype in enumerate(DTYPES):
         trailing = [(), (3,), (2, 5)][i % 3]
         # allgather: rank r has a different number of rows, one rank none

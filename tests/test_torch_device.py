@@ -184,7 +184,7 @@ GROUP_CASES = [("float32", "SUM", 1), ("float32", "AVERAGE", 4099), ("float32", 
 
 def _device_group(rank: int, stand: bool) -> dict[str, int]:
     import shoal
-    from shoal.core.ops import ReduceOp
+    from shoal.core.reduction import ReduceOp
     from shoal.torch.device.group import GroupReduction, device_group_for
     tensors.set_stand_in(stand)
     comm = shoal.communicator()
@@ -271,7 +271,7 @@ def _lazy_group(rank: int) -> list[float]:
     import os
 
     import shoal
-    from shoal.core.ops import ReduceOp
+    from shoal.core.reduction import ReduceOp
     from shoal.torch.device.group import device_group_for
     # gloo connecting at its first collective, as NCCL always does: the group calls the
     # store then, long after it was built
@@ -349,7 +349,7 @@ def test_device_group_launches_in_bucket_order_whatever_the_arrival_order() -> N
 
 def _reduce_now_threads(rank: int) -> dict[str, list[str]]:
     import shoal
-    from shoal.core.ops import ReduceOp
+    from shoal.core.reduction import ReduceOp
     tensors.set_stand_in(True)
     comm = shoal.communicator()
     for _ in range(2):  # the names are known after the first pass (the one-round path)

@@ -27,7 +27,7 @@ _LAZY = {
                  "size", "timeline_range", "world"),
     "core.errors": ("CollectiveMismatchError", "PeerLostError", "RendezvousError",
                     "ShoalError", "ShoalTimeoutError"),
-    "core.ops": ("Average", "Max", "Min", "Product", "ReduceOp", "Sum"),
+    "core.reduction": ("Average", "Max", "Min", "Product", "ReduceOp", "Sum"),
     "core.process_sets": ("ProcessSet", "add_process_set", "global_process_set",
                           "remove_process_set"),
 }

@@ -19,8 +19,8 @@ from types import ModuleType
 from typing import Any
 
 import shoal.core.api as _api
-from shoal.core import ops as _ops
 from shoal.core import process_sets as _process_sets
+from shoal.core import reduction as _reduction
 from shoal.core.compression import Compression
 from shoal.tensorflow import device as _tf_device
 
@@ -32,7 +32,7 @@ __all__ = ["bind", "install"]
 
 _SHARED: dict[str, Any] = {  # the same objects on every import path
     "Compression": Compression,
-    **{name: getattr(_ops, name) for name in ("Adasum", "Average", "Max", "Min", "Product",
+    **{name: getattr(_reduction, name) for name in ("Adasum", "Average", "Max", "Min", "Product",
                                                "ReduceOp", "Sum")},
     **{name: getattr(_api, name) for name in (
         "allgather_object", "broadcast_object", "cross_rank", "cross_size",

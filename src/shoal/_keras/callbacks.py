@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 import shoal
-from shoal.core.ops import ReduceOp
+from shoal.core.reduction import ReduceOp
 
 from .compat import bind_callbacks, build_optimizer, optimizer_built, optimizer_variables, to_numpy
 from .values import broadcast_variables

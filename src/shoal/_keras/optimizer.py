@@ -27,7 +27,7 @@ from types import ModuleType
 from typing import Any
 
 from shoal.core.compression import Codec, Compression
-from shoal.core.ops import ReduceOp
+from shoal.core.reduction import ReduceOp
 
 from .compat import is_keras2, loss_scale_class, optimizer_built
 from .keras2 import Keras2Mixin, LocalGradientAggregation

@@ -14,7 +14,7 @@ import numpy as np
 
 import shoal
 from shoal.core.compression import Codec, Compression
-from shoal.core.ops import ReduceOp
+from shoal.core.reduction import ReduceOp
 
 from .compat import to_numpy
 

@@ -26,13 +26,13 @@ from shoal.core.build_info import (
     start_timeline,
     stop_timeline,
 )
-from shoal.core.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from shoal.core.process_sets import (
     ProcessSet,
     add_process_set,
     global_process_set,
     remove_process_set,
 )
+from shoal.core.reduction import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 
 __all__ = [
     "Adasum", "Average", "Max", "Min", "ProcessSet", "Product", "ReduceOp", "Sum",

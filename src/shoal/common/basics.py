@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 from shoal.core import api, build_info
 from shoal.core import process_sets as ps_
-from shoal.core.ops import ReduceOp
+from shoal.core.reduction import ReduceOp
 
 __all__ = ["HorovodBasics"]
 

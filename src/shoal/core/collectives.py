@@ -18,7 +18,7 @@ import numpy as np
 
 from .compression import Codec, Compression
 from .engine import Engine, Kind, Request
-from .ops import ReduceOp, check_array, check_rows, scale
+from .reduction import ReduceOp, check_array, check_rows, scale
 
 __all__ = ["Collectives", "Handle"]
 

@@ -4,7 +4,7 @@ A codec is plain data plus two pure functions, applied to fusion buffers as tens
 into them and unpacked out of them (in the same pass as the copy, so compression halves the
 bytes moved and reduced rather than adding a pass). Only float32 and float64 tensors are
 compressed; other dtypes travel as they are. Reductions of 16-bit data accumulate in float32
-(:func:`shoal.core.ops.reduce_into`), so an average is rounded once, not once per rank.
+(:func:`shoal.core.reduction.reduce_into`), so an average is rounded once, not once per rank.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from .ops import bf16_to_f32, f32_to_bf16
+from .reduction import bf16_to_f32, f32_to_bf16
 
 __all__ = ["Codec", "Compression", "Compressor", "compressors", "storage_dtype",
            "user_compressor", "wire_codec"]

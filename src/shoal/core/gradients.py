@@ -15,7 +15,7 @@ An adapter maps its tensors to the core's arrays; what a reduction *means* is de
 
 from __future__ import annotations
 
-from .ops import ReduceOp
+from .reduction import ReduceOp
 
 __all__ = ["check_predivide", "predivide", "reducescatter_grad_scale", "sparse_scale"]
 

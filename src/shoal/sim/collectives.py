@@ -10,8 +10,8 @@ They mirror shoal's algorithms (``shoal.core.algorithms``):
 * ``hierarchical``: per ``shm_chunk`` chunk, the shm reduce-scatter, then each local rank
   reduces its shard across the nodes (all local ranks at once, sharing the node's link, ring
   or doubling by shard size), then the shm allgather. ``pipelined=False``: the phases one after
-  the other (shoal until issue 19); ``"phases"`` (shoal now): the host's phases of chunks k+1
-  and k-1 run while chunk k crosses the nodes, the cross rings one at a time, each paying its
+  the other (a serial baseline); ``"phases"`` (shoal): the host's phases of chunks k+1 and
+  k-1 run while chunk k crosses the nodes, the cross rings one at a time, each paying its
   latency; ``True``: several chunks in flight across the nodes too, the ring latency paid once
   per buffer (the SMDDP design);
 * ``nccl``: a Horovod-style flat ring over every GPU, pipelined as NCCL does it: the latency

@@ -58,8 +58,8 @@ STRATEGIES: dict[str, Strategy] = {
                                   "the host's phases overlapping the cross-node ring chunk by "
                                   "chunk (1 MiB chunks, one ring at a time)"),
     "shoal-serial": Strategy("shoal-serial", "hierarchical", "decentralized", 1e-3, 64 << 20,
-                             description="shoal before issue 19: the phases one after another "
-                                         "per chunk"),
+                             description="shoal with its phases one after another per chunk "
+                                         "(the serial baseline)"),
     "shoal-pipelined": Strategy("shoal-pipelined", "hierarchical", "decentralized", 1e-3,
                                 64 << 20, pipelined=True,
                                 description="hierarchical with several chunks in flight across "

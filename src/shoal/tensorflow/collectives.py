@@ -1,11 +1,12 @@
-"""Horovod's public TensorFlow collectives: signatures, compression, ``IndexedSlices`` and
-Horovod's gradient rules (``tf.custom_gradient``), over the raw ops of :mod:`.ops`.
+"""Horovod's TensorFlow collectives over the core's communicators, without gradients.
 
-Gradient rules, as Horovod registers them: an allreduce's gradient is the same allreduce of
-the gradient (op and scaling included); an allgather's, this rank's rows of the averaged
-gradient; a broadcast's, the averaged gradient on the root and zeros elsewhere; an
-alltoall's, the alltoall back with the received splits; a reduce-scatter's, the allgather of
-the gradient (times the set's size for Sum, times the scale factors).
+Each function here maps tensors to numpy arrays, hands them to the communicator of the
+process set (resolved when the op *runs*, so a traced function survives ``shutdown()`` and
+``init()``) and maps the results back, through :func:`shoal.tensorflow.bridge.run`: eagerly
+now, inside ``tf.function`` as one ordered graph op named per call site. Grouped functions
+submit every tensor before waiting for any, so the engine fuses them. Scaling, reduce-scatter
+blocks, alltoall splits and the negotiation are the core's. :mod:`.differentiable` adds
+Horovod's gradient rules and compression on top.
 """
 
 from __future__ import annotations
@@ -13,199 +14,131 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import tensorflow as tf
 
 from shoal.core import process_sets as ps_
-from shoal.core.compression import Compression, user_compressor, wire_codec
-from shoal.core.gradients import reducescatter_grad_scale, sparse_scale
-from shoal.core.ops import ReduceOp, resolve_op
+from shoal.core.compression import Codec, Compression
+from shoal.core.reduction import ReduceOp, check_rows
 
-from . import ops
+from .bridge import run
 
-__all__ = ["allgather", "allreduce", "alltoall", "broadcast", "grouped_allgather",
-           "grouped_allreduce", "grouped_reducescatter", "reducescatter"]
-
-_global = ps_.global_process_set
+__all__ = ["allgather_n", "allreduce_n", "alltoall_1", "barrier", "broadcast_n", "join",
+           "reducescatter_n", "set_size"]
 
 
-def _differentiable(forward: Any, backward: Any, tensors: list[tf.Tensor]) -> list[tf.Tensor]:
-    """``forward(tensors)`` with ``backward(upstream grads) -> input grads`` as its gradient;
-    integer tensors (no gradient) go straight through ``forward``."""
-    if not tensors or not all(t.dtype.is_floating or t.dtype.is_complex for t in tensors):
-        return forward(tensors)
-
-    @tf.custom_gradient
-    def call(*xs: tf.Tensor) -> Any:
-        outs = forward(list(xs))
-
-        def grad(*upstream: tf.Tensor) -> list[tf.Tensor]:
-            return backward([tf.zeros_like(o) if g is None else g
-                             for g, o in zip(upstream, outs, strict=True)])
-        return outs, grad
-    return list(call(*tensors))
+def _c(array: np.ndarray) -> np.ndarray:
+    """``array`` C-contiguous (``np.ascontiguousarray`` would turn a scalar into shape (1,))."""
+    return array if array.flags.c_contiguous else array.copy(order="C")
 
 
-def _compress(compression: Any, tensors: list[tf.Tensor]) -> tuple[list[tf.Tensor], Any]:
-    if not user_compressor(compression):
-        return tensors, None
-    pairs = [compression.compress(t) for t in tensors]
-    return [p[0] for p in pairs], [p[1] for p in pairs]
+def _parts(base: str | None, count: int) -> list[str | None]:
+    return [base] if count == 1 else [None if base is None else f"{base}.{i}"
+                                      for i in range(count)]
 
 
-def _decompress(compression: Any, tensors: list[tf.Tensor], ctxs: Any) -> list[tf.Tensor]:
-    return tensors if ctxs is None else [compression.decompress(t, c)
-                                         for t, c in zip(tensors, ctxs, strict=True)]
+def set_size(process_set: Any) -> int:
+    """The number of ranks in ``process_set`` (this rank must be a member)."""
+    return ps_.communicator_for(process_set).size
 
 
-def _sparse(t: Any, op: ReduceOp, pre: float, post: float, process_set: Any
-            ) -> tf.IndexedSlices:
-    """Horovod's reduction of ``IndexedSlices``: allgather the values and indices."""
-    scale = sparse_scale(op, ops.set_size(process_set), what="a tf.IndexedSlices")
-    if pre != 1.0 or post != 1.0:  # (Horovod's TensorFlow refuses them here)
-        raise NotImplementedError("prescale_factor/postscale_factor are not supported with "
-                                  "tf.IndexedSlices; pass sparse_as_dense=True")
-    values, indices = ops.allgather_n([t.values, t.indices], process_set=process_set)
-    if scale != 1.0:
-        values = values * tf.cast(scale, values.dtype)
-    return tf.IndexedSlices(values, indices, dense_shape=t.dense_shape)
+def allreduce_n(tensors: Sequence[Any], op: ReduceOp, *, prescale: float = 1.0,
+                postscale: float = 1.0, codec: Codec = Compression.none,
+                name: str | None = None, process_set: Any = None) -> list[tf.Tensor]:
+    """Reduce dense tensors across the set, fused; Horovod's scaling."""
+    def reduce(base: str | None, arrays: list[np.ndarray]) -> list[np.ndarray]:
+        comm = ps_.communicator_for(process_set)
+        handles = [comm.allreduce_async(_c(a), op, part, compression=codec,
+                                        prescale_factor=prescale, postscale_factor=postscale)
+                   for a, part in zip(arrays, _parts(base, len(arrays)), strict=True)]
+        return [h.wait() for h in handles]
+    return run(reduce, tensors, label="allreduce", name=name)
 
 
-def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None,
-                      device_dense: str = "", device_sparse: str = "",
-                      compression: Any = Compression.none, op: ReduceOp | None = None,
-                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                      process_set: Any = _global, ignore_name_scope: bool = False,
-                      name: str | None = None) -> list[Any]:
-    """Several tensors reduced across the process set (Average by default), fused by the
-    engine; ``IndexedSlices`` entries are reduced as Horovod does (two allgathers).
-    ``device_*`` and ``ignore_name_scope`` are accepted for Horovod compatibility."""
-    op = resolve_op(average, op)
-    if op == ReduceOp.ADASUM:
-        raise NotImplementedError("op Adasum is not supported; use Average or Sum")
-    tensors = list(tensors)
-    sparse = {i: _sparse(t, op, prescale_factor, postscale_factor, process_set)
-              for i, t in enumerate(tensors) if isinstance(t, tf.IndexedSlices)}
-    dense_at = [i for i in range(len(tensors)) if i not in sparse]
-    dense, ctxs = _compress(compression, [tf.convert_to_tensor(tensors[i]) for i in dense_at])
-    codec = wire_codec(compression)
-
-    def forward(xs: list[tf.Tensor]) -> list[tf.Tensor]:
-        return ops.allreduce_n(xs, op, prescale=prescale_factor, postscale=postscale_factor,
-                               codec=codec, name=name, process_set=process_set)
-
-    def backward(grads: list[tf.Tensor]) -> list[tf.Tensor]:
-        return ops.allreduce_n(grads, op, prescale=prescale_factor, postscale=postscale_factor,
-                               process_set=process_set)
-
-    reduced = _decompress(compression, _differentiable(forward, backward, dense), ctxs)
-    out: list[Any] = [None] * len(tensors)
-    for i, r in zip(dense_at, reduced, strict=True):
-        out[i] = r
-    for i, s in sparse.items():
-        out[i] = s
-    return out
-
-
-def allreduce(tensor: Any, average: bool | None = None, device_dense: str = "",
-              device_sparse: str = "", compression: Any = Compression.none,
-              op: ReduceOp | None = None, prescale_factor: float = 1.0,
-              postscale_factor: float = 1.0, name: str | None = None,
-              process_set: Any = _global, ignore_name_scope: bool = False) -> Any:
-    """``tensor`` reduced across the process set (Average by default), as a new tensor."""
-    return grouped_allreduce([tensor], average, device_dense, device_sparse, compression, op,
-                             prescale_factor, postscale_factor, process_set, name=name)[0]
-
-
-def grouped_allgather(tensors: Sequence[Any], name: str | None = None,
-                      ignore_name_scope: bool = False,
-                      process_set: Any = _global) -> list[tf.Tensor]:
-    """Each tensor concatenated along dim 0 across the set (lengths may differ)."""
+def allgather_n(tensors: Sequence[Any], *, name: str | None = None,
+                process_set: Any = None) -> list[tf.Tensor]:
+    """Each tensor concatenated along dim 0 over the set (lengths may differ)."""
     tensors = [tf.convert_to_tensor(t) for t in tensors]
+    for t in tensors:
+        check_rows(t.shape.rank, "allgather", name, ps_.communicator_for(process_set).rank)
 
-    def forward(xs: list[tf.Tensor]) -> list[tf.Tensor]:
-        return ops.allgather_n(xs, name=name, process_set=process_set)
-
-    def backward(grads: list[tf.Tensor]) -> list[tf.Tensor]:
-        reduced = [ops.allreduce_n([g], ReduceOp.AVERAGE, process_set=process_set)[0]
-                   for g in grads]
-        rows = tf.stack([tf.shape(t, out_type=tf.int64)[0] for t in tensors])
-        every = tf.reshape(ops.allgather_n([tf.reshape(rows, [1, -1])],
-                                           process_set=process_set)[0], [-1, len(tensors)])
-        me = ps_.communicator_for(process_set).rank
-        start = tf.reduce_sum(every[:me], axis=0)
-        return [r[start[i]:start[i] + rows[i]] for i, r in enumerate(reduced)]
-
-    return _differentiable(forward, backward, tensors)
+    def gather(base: str | None, arrays: list[np.ndarray]) -> list[np.ndarray]:
+        comm = ps_.communicator_for(process_set)
+        handles = [comm.allgather_async(_c(a), part)
+                   for a, part in zip(arrays, _parts(base, len(arrays)), strict=True)]
+        return [h.wait() for h in handles]
+    shapes = [tf.TensorShape([None]).concatenate(t.shape[1:]) for t in tensors]
+    return run(gather, tensors, label="allgather", name=name, out_shapes=shapes)
 
 
-def allgather(tensor: Any, name: str | None = None, ignore_name_scope: bool = False,
-              process_set: Any = _global) -> tf.Tensor:
-    """Every rank's ``tensor`` concatenated along dim 0 (lengths may differ)."""
-    return grouped_allgather([tensor], name, ignore_name_scope, process_set)[0]
+def broadcast_n(tensors: Sequence[Any], root_rank: int, *, name: str | None = None,
+                process_set: Any = None, label: str = "broadcast") -> list[tf.Tensor]:
+    """Global rank ``root_rank``'s tensors, on every member of the set."""
+    root = ps_.set_root(process_set, root_rank)
+
+    def bcast(base: str | None, arrays: list[np.ndarray]) -> list[np.ndarray]:
+        comm = ps_.communicator_for(process_set)
+        copies = [np.array(a) for a in arrays]  # the inputs are read-only views
+        handles = [comm.broadcast_async(c, root, part)
+                   for c, part in zip(copies, _parts(base, len(copies)), strict=True)]
+        return [h.wait() for h in handles]
+    return run(bcast, tensors, label=label, name=name)
 
 
-def broadcast(tensor: Any, root_rank: int, name: str | None = None,
-              ignore_name_scope: bool = False, process_set: Any = _global) -> tf.Tensor:
-    """Global rank ``root_rank``'s ``tensor`` on every member of the set."""
-    def forward(xs: list[tf.Tensor]) -> list[tf.Tensor]:
-        return ops.broadcast_n(xs, root_rank, name=name, process_set=process_set)
-
-    def backward(grads: list[tf.Tensor]) -> list[tf.Tensor]:
-        reduced = ops.allreduce_n(grads, ReduceOp.AVERAGE, process_set=process_set)
-        on_root = ps_.communicator_for(None).rank == root_rank
-        return reduced if on_root else [r * 0 for r in reduced]
-
-    return _differentiable(forward, backward, [tf.convert_to_tensor(tensor)])[0]
-
-
-def alltoall(tensor: Any, splits: Any = None, name: str | None = None,
-             ignore_name_scope: bool = False, process_set: Any = _global) -> Any:
-    """``splits[i]`` rows of ``tensor`` go to rank ``i`` of the set; returns
-    ``(output, received_splits)``, or without ``splits`` (an even division) the output alone,
-    as Horovod does; differentiable."""
+def alltoall_1(tensor: Any, splits: Any = None, *, name: str | None = None,
+               process_set: Any = None) -> tuple[tf.Tensor, tf.Tensor]:
+    """``(output, received_splits)``: ``splits[i]`` rows of ``tensor`` went to rank ``i``
+    of the set (even division without ``splits``)."""
     tensor = tf.convert_to_tensor(tensor)
-    received: list[tf.Tensor] = []
+    check_rows(tensor.shape.rank, "alltoall", name, ps_.communicator_for(process_set).rank)
+    inputs = [tensor]
+    if splits is not None:
+        splits = tf.convert_to_tensor(splits)
+        if splits.dtype not in (tf.int32, tf.int64):
+            raise TypeError(f"rank {ps_.communicator_for(process_set).rank}: alltoall splits "
+                            f"must be int32 or int64, not {splits.dtype.name}")
+        inputs.append(splits)
 
-    def forward(xs: list[tf.Tensor]) -> list[tf.Tensor]:
-        data, recv = ops.alltoall_1(xs[0], splits, name=name, process_set=process_set)
-        received.append(recv)
-        return [data]
+    def exchange(base: str | None, arrays: list[np.ndarray]) -> list[np.ndarray]:
+        comm = ps_.communicator_for(process_set)
+        counts = arrays[1].reshape(-1).tolist() if len(arrays) > 1 else None
+        data, received = comm.alltoall(_c(arrays[0]), counts, base)
+        return [data, np.asarray(received, np.int32)]
+    shape = tf.TensorShape([None]).concatenate(tensor.shape[1:])
+    data, received = run(exchange, inputs, label="alltoall", name=name,
+                         out_dtypes=[tensor.dtype, tf.int32],
+                         out_shapes=[shape, tf.TensorShape([None])])
+    return data, received
 
-    def backward(grads: list[tf.Tensor]) -> list[tf.Tensor]:
-        return [ops.alltoall_1(grads[0], received[-1], process_set=process_set)[0]]
 
-    data = _differentiable(forward, backward, [tensor])[0]
-    return data if splits is None else (data, received[-1])
-
-
-def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "",
-                          compression: Any = Compression.none,
-                          op: ReduceOp = ReduceOp.AVERAGE, name: str | None = None,
-                          process_set: Any = _global, ignore_name_scope: bool = False,
-                          prescale_factor: float = 1.0,
-                          postscale_factor: float = 1.0) -> list[tf.Tensor]:
+def reducescatter_n(tensors: Sequence[Any], op: ReduceOp, *, prescale: float = 1.0,
+                    postscale: float = 1.0, name: str | None = None,
+                    process_set: Any = None) -> list[tf.Tensor]:
     """This rank's block of dim 0 of each reduction (earlier ranks get the extra rows)."""
-    op = ReduceOp(op)
-    tensors, ctxs = _compress(compression, [tf.convert_to_tensor(t) for t in tensors])
+    tensors = [tf.convert_to_tensor(t) for t in tensors]
+    for t in tensors:
+        check_rows(t.shape.rank, "reducescatter", name,
+                   ps_.communicator_for(process_set).rank)
 
-    def forward(xs: list[tf.Tensor]) -> list[tf.Tensor]:
-        return ops.reducescatter_n(xs, op, prescale=prescale_factor,
-                                   postscale=postscale_factor, name=name,
-                                   process_set=process_set)
-
-    def backward(grads: list[tf.Tensor]) -> list[tf.Tensor]:
-        factor = reducescatter_grad_scale(op, ops.set_size(process_set), prescale_factor,
-                                          postscale_factor)
-        grads = [g if factor == 1 else g * tf.cast(factor, g.dtype) for g in grads]
-        return [ops.allgather_n([g], process_set=process_set)[0] for g in grads]
-
-    return _decompress(compression, _differentiable(forward, backward, tensors), ctxs)
+    def scatter(base: str | None, arrays: list[np.ndarray]) -> list[np.ndarray]:
+        comm = ps_.communicator_for(process_set)
+        handles = [comm.reducescatter_async(_c(a), op, part,
+                                            prescale_factor=prescale,
+                                            postscale_factor=postscale)
+                   for a, part in zip(arrays, _parts(base, len(arrays)), strict=True)]
+        return [h.wait() for h in handles]
+    shapes = [tf.TensorShape([None]).concatenate(t.shape[1:]) for t in tensors]
+    return run(scatter, tensors, label="reducescatter", name=name, out_shapes=shapes)
 
 
-def reducescatter(tensor: Any, device_dense: str = "", compression: Any = Compression.none,
-                  op: ReduceOp = ReduceOp.AVERAGE, name: str | None = None,
-                  process_set: Any = _global, ignore_name_scope: bool = False,
-                  prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> tf.Tensor:
-    """This rank's block of dim 0 of ``tensor`` reduced across the set."""
-    return grouped_reducescatter([tensor], device_dense, compression, op, name, process_set,
-                                 ignore_name_scope, prescale_factor, postscale_factor)[0]
+def join(process_set: Any = None) -> tf.Tensor:
+    """This rank has no more data; until every rank joined it contributes neutral values to
+    the allreduces others still run. The last rank to join (the same on every rank)."""
+    def joined(base: str | None, arrays: list[np.ndarray]) -> list[np.ndarray]:
+        return [np.array(ps_.communicator_for(process_set).join(), np.int32)]
+    return run(joined, [tf.constant(0, tf.int32)], label="join", name=None)[0]
+
+
+def barrier(process_set: Any = None) -> None:
+    """Wait until every rank of the set arrives (eager code only)."""
+    ps_.communicator_for(process_set).barrier()

@@ -13,10 +13,10 @@ import shoal.core.api as api
 from shoal.core import process_sets as ps_
 from shoal.core.compression import Compressor as CoreCompressor
 from shoal.core.compression import compressors
-from shoal.core.ops import ReduceOp
+from shoal.core.reduction import ReduceOp
 
-from . import ops
-from .collectives import allreduce
+from . import collectives
+from .differentiable import allreduce
 
 __all__ = ["Compression", "Compressor", "allgather_object", "broadcast_", "broadcast_object",
            "broadcast_object_fn", "broadcast_variables", "join", "local_rank_op",
@@ -76,8 +76,8 @@ def broadcast_(variables: Sequence[Any], root_rank: int, name: str | None = None
     """Horovod's in-place broadcast: ``root_rank``'s values assigned to ``variables`` (all
     travel together); returns the variables' new values."""
     variables = list(variables)
-    values = ops.broadcast_n([tf.convert_to_tensor(v) for v in variables], root_rank,
-                             name=name, process_set=process_set, label="broadcast_")
+    values = collectives.broadcast_n([tf.convert_to_tensor(v) for v in variables], root_rank,
+                                     name=name, process_set=process_set, label="broadcast_")
     return [v.assign(x) for v, x in zip(variables, values, strict=True)]
 
 
@@ -112,7 +112,7 @@ def allgather_object(obj: Any, session: Any = None, name: str | None = None,
 def join(process_set: Any = ps_.global_process_set) -> tf.Tensor:
     """This rank has no more data: until every rank joined, it contributes neutral values to
     the allreduces the others still run. Returns the last rank to join."""
-    return ops.join(process_set)
+    return collectives.join(process_set)
 
 
 def oob_allreduce(tensor: Any, name: str | None = None) -> tf.Tensor:

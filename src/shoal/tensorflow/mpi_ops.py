@@ -15,7 +15,9 @@ from shoal.common.basics import HorovodBasics
 from shoal.common.util import get_average_backwards_compatibility_fun
 from shoal.core.build_info import nccl_built
 
-from .collectives import (
+from .collectives import barrier
+from .device import init
+from .differentiable import (
     allgather,
     allreduce,
     alltoall,
@@ -25,7 +27,6 @@ from .collectives import (
     grouped_reducescatter,
     reducescatter,
 )
-from .device import init
 from .functions import (
     broadcast_,
     join,
@@ -35,7 +36,6 @@ from .functions import (
     rank_op,
     size_op,
 )
-from .ops import barrier
 
 __all__ = [
     *_common.__all__,

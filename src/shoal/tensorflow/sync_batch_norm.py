@@ -17,9 +17,9 @@ import keras
 import tensorflow as tf
 
 from shoal.core import process_sets as ps_
-from shoal.core.ops import ReduceOp
+from shoal.core.reduction import ReduceOp
 
-from .collectives import grouped_allreduce
+from .differentiable import grouped_allreduce
 
 __all__ = ["SyncBatchNormalization"]
 

@@ -29,9 +29,9 @@ import tensorflow as tf
 from shoal.core import process_sets as ps_
 from shoal.core.compression import Compression
 from shoal.core.gradients import check_predivide, predivide
-from shoal.core.ops import ReduceOp, resolve_op
+from shoal.core.reduction import ReduceOp, resolve_op
 
-from .collectives import grouped_allreduce
+from .differentiable import grouped_allreduce
 
 __all__ = ["DistributedGradientTape", "PartialDistributedGradientTape", "reduce_gradients"]
 

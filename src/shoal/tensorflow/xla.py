@@ -41,7 +41,7 @@ import tensorflow as tf
 
 from shoal.core import process_sets as ps_
 from shoal.core.compression import Compression
-from shoal.core.ops import ReduceOp
+from shoal.core.reduction import ReduceOp
 
 from .tape import reduce_gradients
 

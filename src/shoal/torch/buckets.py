@@ -22,13 +22,13 @@ import torch
 
 from shoal.core.collectives import Handle
 from shoal.core.gradients import predivide
-from shoal.core.ops import ReduceOp
 from shoal.core.process_sets import communicator_for
+from shoal.core.reduction import ReduceOp
 
+from .collectives import sparse_allreduce_async
 from .compression import user_compressor as _user_compressor
 from .compression import wire_codec
 from .device.group import GroupReduction, device_group_for
-from .ops import sparse_allreduce_async
 from .tensors import Staged, stage, staged_on_device
 
 __all__ = ["Buckets", "auto_bucket_bytes"]

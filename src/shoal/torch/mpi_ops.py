@@ -15,21 +15,7 @@ from shoal.common.basics import HorovodBasics
 from shoal.common.util import get_average_backwards_compatibility_fun
 from shoal.core.api import init
 
-from .autograd import (
-    allgather,
-    allreduce,
-    allreduce_,
-    alltoall,
-    broadcast,
-    broadcast_,
-    grouped_allgather,
-    grouped_allreduce,
-    grouped_allreduce_,
-    grouped_reducescatter,
-    oob_allreduce,
-    reducescatter,
-)
-from .ops import (
+from .collectives import (
     allgather_async,
     allreduce_async,
     allreduce_async_,
@@ -46,6 +32,20 @@ from .ops import (
     reducescatter_async,
     sparse_allreduce_async,
     synchronize,
+)
+from .differentiable import (
+    allgather,
+    allreduce,
+    allreduce_,
+    alltoall,
+    broadcast,
+    broadcast_,
+    grouped_allgather,
+    grouped_allreduce,
+    grouped_allreduce_,
+    grouped_reducescatter,
+    oob_allreduce,
+    reducescatter,
 )
 
 __all__ = [

@@ -42,8 +42,8 @@ import shoal
 from shoal.core.api import default_communicator
 from shoal.core.elastic import elastic_job
 from shoal.core.gradients import check_predivide
-from shoal.core.ops import ReduceOp
 from shoal.core.process_sets import communicator_for
+from shoal.core.reduction import ReduceOp
 
 from .buckets import Buckets, auto_bucket_bytes
 from .compression import Compression

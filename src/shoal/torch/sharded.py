@@ -31,8 +31,8 @@ from typing import Any
 import torch
 
 from shoal.core import sharding
-from shoal.core.ops import ReduceOp
 from shoal.core.process_sets import communicator_for
+from shoal.core.reduction import ReduceOp
 
 from .buckets import auto_bucket_bytes
 from .optimizer import Wrapper, adopt

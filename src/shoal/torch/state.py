@@ -9,7 +9,7 @@ import torch
 
 from shoal.core.process_sets import communicator_for, set_root
 
-from .ops import broadcast_async_
+from .collectives import broadcast_async_
 
 __all__ = [
     "allgather_object",

@@ -405,7 +405,7 @@ def solo_device_group(device: torch.device) -> dict[str, Any]:
     import os
 
     import shoal
-    from shoal.core.ops import ReduceOp
+    from shoal.core.reduction import ReduceOp
     from shoal.torch.device.group import make_device_group
     os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
     comm = shoal.communicator()

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..compression import Codec
 from ..errors import ConfigError
-from ..ops import ReduceOp
+from ..reduction import ReduceOp
 from ..transport import Transport
 
 __all__ = ["ALGORITHMS", "allreduce", "applicable", "choose", "reducescatter", "register",

@@ -13,7 +13,7 @@ from functools import partial
 import numpy as np
 
 from ..compression import Codec, storage_dtype
-from ..ops import ReduceOp, finalize, narrow, reduce_into, widen
+from ..reduction import ReduceOp, finalize, narrow, reduce_into, widen
 from ..transport import Transport
 from . import register
 from .doubling import doubling_allreduce

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from ..ops import ReduceOp, finalize, narrow, reduce_into, widen
+from ..reduction import ReduceOp, finalize, narrow, reduce_into, widen
 from ..transport import Transport
 from .ring import ring_reducescatter
 

@@ -38,7 +38,7 @@ import numpy as np
 
 from ..config import Config
 from ..errors import CollectiveMismatchError, PeerLostError, ShoalError
-from ..ops import ReduceOp
+from ..reduction import ReduceOp
 from ..timeline import Timeline
 from ..transport import Transport
 from .executor import Executor

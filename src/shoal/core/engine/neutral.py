@@ -15,7 +15,7 @@ import re
 import numpy as np
 
 from ..compression import Codec, Compression
-from ..ops import ReduceOp, f32_to_bf16
+from ..reduction import ReduceOp, f32_to_bf16
 
 __all__ = ["neutral_allreduce", "parse_allreduce_desc"]
 

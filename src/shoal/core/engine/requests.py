@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from ..compression import Codec, Compression
-from ..ops import ReduceOp
+from ..reduction import ReduceOp
 
 __all__ = ["PER_CALL", "Kind", "Request", "mismatch_message"]
 

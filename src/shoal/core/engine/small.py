@@ -26,7 +26,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ..config import Config
-from ..ops import ReduceOp, reduce_into
+from ..reduction import ReduceOp, reduce_into
 from ..transport import Transport
 from .names import NameCache
 from .negotiator import FAST, encode

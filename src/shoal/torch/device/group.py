@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from shoal.core.communicator import Communicator
 from shoal.core.compression import Codec, Compression
-from shoal.core.ops import ReduceOp
+from shoal.core.reduction import ReduceOp
 from shoal.core.store import PrefixStore, Store
 
 from ..tensors import stage

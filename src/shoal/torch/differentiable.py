@@ -12,10 +12,10 @@ from typing import Any
 import torch
 
 from shoal.core.gradients import reducescatter_grad_scale
-from shoal.core.ops import ReduceOp, resolve_op
 from shoal.core.process_sets import communicator_for
+from shoal.core.reduction import ReduceOp, resolve_op
 
-from . import ops
+from . import collectives
 from .compression import Compression, user_compressor
 
 __all__ = ["allgather", "allreduce", "allreduce_", "alltoall", "broadcast", "broadcast_",
@@ -31,8 +31,8 @@ class _Allreduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, op, name, pre, post, process_set, compression):
         ctx.args = (op, pre, post, process_set, compression)
-        return ops.allreduce_async(tensor, None, name, op, pre, post, process_set,
-                                   compression).wait()
+        return collectives.allreduce_async(tensor, None, name, op, pre, post, process_set,
+                                           compression).wait()
 
     @staticmethod
     def backward(ctx, grad):
@@ -45,8 +45,8 @@ class _GroupedAllreduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, op, name, pre, post, process_set, *tensors):
         ctx.args = (op, pre, post, process_set)
-        return tuple(ops.grouped_allreduce_async(tensors, None, name, op, pre, post,
-                                                 process_set).wait())
+        return tuple(collectives.grouped_allreduce_async(tensors, None, name, op, pre, post,
+                                                         process_set).wait())
 
     @staticmethod
     def backward(ctx, *grads):
@@ -63,7 +63,7 @@ class _Allgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, name, process_set):
         ctx.dim, ctx.process_set = tensor.shape[0], process_set
-        return ops.allgather_async(tensor, name, process_set).wait()
+        return collectives.allgather_async(tensor, name, process_set).wait()
 
     @staticmethod
     def backward(ctx, grad):
@@ -78,7 +78,7 @@ class _GroupedAllgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, name, process_set, *tensors):
         ctx.dims, ctx.process_set = [t.shape[0] for t in tensors], process_set
-        return tuple(ops.grouped_allgather_async(tensors, name, process_set).wait())
+        return tuple(collectives.grouped_allgather_async(tensors, name, process_set).wait())
 
     @staticmethod
     def backward(ctx, *grads):
@@ -95,7 +95,7 @@ class _Broadcast(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, root_rank, name, process_set):
         ctx.root, ctx.process_set = root_rank, process_set
-        return ops.broadcast_async(tensor, root_rank, name, process_set).wait()
+        return collectives.broadcast_async(tensor, root_rank, name, process_set).wait()
 
     @staticmethod
     def backward(ctx, grad):
@@ -108,15 +108,15 @@ class _Broadcast(torch.autograd.Function):
 class _Alltoall(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, splits, name, process_set):
-        output, received = ops.alltoall_async(tensor, splits, name, process_set).wait()
+        output, received = collectives.alltoall_async(tensor, splits, name, process_set).wait()
         ctx.received, ctx.process_set = received, process_set
         ctx.mark_non_differentiable(received)
         return output, received
 
     @staticmethod
     def backward(ctx, grad, _dead):
-        back, _ = ops.alltoall_async(grad.contiguous(), ctx.received, None,
-                                     ctx.process_set).wait()
+        back, _ = collectives.alltoall_async(grad.contiguous(), ctx.received, None,
+                                             ctx.process_set).wait()
         return back, None, None, None
 
 
@@ -124,8 +124,8 @@ class _Reducescatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, op, name, process_set, pre, post, *tensors):
         ctx.args = (op, process_set, pre, post)
-        return tuple(ops.grouped_reducescatter_async(tensors, name, op, process_set, pre,
-                                                     post).wait())
+        return tuple(collectives.grouped_reducescatter_async(tensors, name, op, process_set, pre,
+                                                             post).wait())
 
     @staticmethod
     def backward(ctx, *grads):
@@ -154,8 +154,8 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
                op: ReduceOp | None = None, prescale_factor: float = 1.0,
                postscale_factor: float = 1.0, process_set: Any = None) -> torch.Tensor:
     """Reduce ``tensor`` in place and return it."""
-    return ops.allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor,
-                                process_set).wait()
+    return collectives.allreduce_async_(tensor, average, name, op, prescale_factor,
+                                        postscale_factor, process_set).wait()
 
 
 def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = None,
@@ -180,13 +180,13 @@ def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = N
                        prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                        process_set: Any = None) -> list[torch.Tensor]:
     """Reduce several tensors in place."""
-    return ops.grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
-                                        postscale_factor, process_set).wait()
+    return collectives.grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
+                                                postscale_factor, process_set).wait()
 
 
 def oob_allreduce(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
     """SMDDP's out-of-band allreduce for statistics (loss, accuracy): the average, as a copy."""
-    return ops.allreduce_async(tensor.detach(), op=ReduceOp.AVERAGE, name=name).wait()
+    return collectives.allreduce_async(tensor.detach(), op=ReduceOp.AVERAGE, name=name).wait()
 
 
 def allgather(tensor: torch.Tensor, name: str | None = None,
@@ -210,7 +210,7 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                process_set: Any = None) -> torch.Tensor:
     """Overwrite ``tensor`` with ``root_rank``'s values and return it."""
-    return ops.broadcast_async_(tensor, root_rank, name, process_set).wait()
+    return collectives.broadcast_async_(tensor, root_rank, name, process_set).wait()
 
 
 def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,

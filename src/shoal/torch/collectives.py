@@ -4,7 +4,7 @@ Naming rule, stated once (Horovod's): a trailing ``_`` works in place, ``_async`
 handle at once (``synchronize(handle)`` waits and returns the result, ``poll(handle)`` says
 whether it is done), ``grouped_`` takes a list. Everything framework-agnostic (process sets,
 join, scaling, reduce-scatter, negotiation) is the core's; this module maps tensors to numpy
-views and back, and adds autograd with Horovod's gradient rules (:mod:`.autograd`).
+views and back, and adds autograd with Horovod's gradient rules (:mod:`.differentiable`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 from shoal.core import process_sets as ps_
 from shoal.core.collectives import Handle
 from shoal.core.gradients import sparse_scale
-from shoal.core.ops import ReduceOp, check_rows, resolve_op
+from shoal.core.reduction import ReduceOp, check_rows, resolve_op
 
 from .compression import Compression, wire_codec
 from .tensors import Staged, result_tensor, stage
