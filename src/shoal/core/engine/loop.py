@@ -46,7 +46,7 @@ from .names import NameCache
 from .negotiator import JOINED, STUCK, decide, encode
 from .neutral import neutral_allreduce, parse_allreduce_desc
 from .requests import Kind, Request
-from .small import SmallPath
+from .small import NOT_SENT, SmallPath
 from .stalls import StallInspector
 
 __all__ = ["Engine"]
@@ -251,16 +251,16 @@ class Engine:
         """Run a synchronous allreduce in one round (:mod:`.small`) if it qualifies; False
         (nothing done, nothing sent) if it does not, and the caller takes the general
         path."""
-        if self._pending or self._join is not None:
-            return False
-        head = self.small.head(name, desc, src.nbytes)
-        if head is None or not self._run.acquire(blocking=False):  # (a round is running)
+        if src.nbytes > self.small.limit or self._pending or self._join is not None or \
+                not self._run.acquire(blocking=False):  # (a round is running)
             return False
         try:
             if self._pending or self._broken is not None or self._stopping:
                 return False
+            blobs = self.small.run(name, desc, src, dst, op, dtype, self.rounds + 1)
+            if blobs is NOT_SENT:
+                return False
             self.rounds += 1
-            blobs = self.small.run(head, src, dst, op, dtype, self.rounds)
             if blobs is None:
                 return True
             future = self._adopt(name, src, dst, dtype, desc, op, blobs)

@@ -27,7 +27,8 @@ class NameCache:
         self.limit = max(16, limit)
         self.entries: dict[str, tuple[int, str]] = {}  # name -> (id, desc)
         self.by_id: list[str] = []
-        self.last = np.zeros(0, np.int64)  # per id: the round the name last ran in
+        # per id: the round the name last ran in (the one-round path records its own use)
+        self.last = np.zeros(0, np.int64)
 
     def __len__(self) -> int:
         return len(self.by_id)
@@ -66,10 +67,6 @@ class NameCache:
         if decision.fresh:
             self.last = np.concatenate([self.last, np.zeros(len(decision.fresh), np.int64)])
         self.last[decision.ran_ids] = round_  # vectorised: no per-name Python in steady state
-
-    def used(self, cache_id: int, round_: int) -> None:
-        """Record that the name ``cache_id`` ran in ``round_`` (the one-round path's use)."""
-        self.last[cache_id] = round_
 
     def evict(self) -> None:
         """Forget the least recently used names once over the limit, down to three quarters

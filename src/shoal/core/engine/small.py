@@ -31,7 +31,7 @@ from ..transport import Transport
 from .names import NameCache
 from .negotiator import FAST, encode
 
-__all__ = ["SmallHead", "SmallPath"]
+__all__ = ["NOT_SENT", "SmallPath"]
 
 # two ranks, an op that is one ufunc on the dtype itself: reduce with that ufunc alone
 _DIRECT: dict[tuple[ReduceOp, str], Callable[..., object]] = {
@@ -40,9 +40,8 @@ _DIRECT: dict[tuple[ReduceOp, str], Callable[..., object]] = {
                                          (ReduceOp.PRODUCT, np.multiply))
     for dtype in ("float32", "float64", "int32", "int64")}
 
-#: a one-round proposal: the proposal bytes, the token naming them (cache size << 32 | id,
-#: never zero), the cache id
-SmallHead = tuple[bytes, int, int]
+#: the outcome of a one-round attempt that was not done in one round: nothing was sent
+NOT_SENT: list[bytes] = []
 
 
 class SmallPath:
@@ -57,36 +56,30 @@ class SmallPath:
         self.limit = cfg.small_message_bytes if enabled and transport.one_round_ready else 0
         self.rounds = 0  # collectives completed by this path (for tests and diagnostics)
         self._heads: dict[int, tuple[bytes, int]] = {}  # token -> (proposal, payload room)
+        # the transport's one-round primitive, bound once: this is the latency path
+        self._round = transport.one_round_primitive() if self.limit else None
 
-    def head(self, name: str, desc: str, nbytes: int) -> SmallHead | None:
-        """The proposal of exactly the cached ``name`` with ``nbytes`` of payload riding
-        along (the same bytes on every rank that proposes the same), or None if the request
-        does not qualify (new or changed name, payload too large)."""
-        if nbytes > self.limit:
-            return None
-        cached = self.names.get(name)
+    def run(self, name: str, desc: str, src: np.ndarray, dst: np.ndarray, op: ReduceOp,
+            dtype: str, round_: int) -> list[bytes] | None:
+        """Try round ``round_`` as one proposing exactly the cached ``name`` with ``src``'s
+        payload riding along. None: done, every rank proposed the same and ``dst`` holds the
+        result, reduced from the payloads in rank order (the same bits on every rank).
+        :data:`NOT_SENT`: the request does not qualify (a new or changed name, a payload
+        too large) and nothing was sent. Otherwise every rank's proposal, for the loop to
+        settle as a general round. The caller holds the round lock."""
+        names = self.names
+        cached = names.entries.get(name)
         if cached is None or cached[1] != desc:  # new or changed: negotiated in full first
-            return None
-        token = (len(self.names) << 32) | cached[0]
+            return NOT_SENT
+        cache_id = cached[0]
+        token = (len(names.by_id) << 32) | cache_id  # len > id >= 0: never zero
         known = self._heads.get(token)
         if known is None:
-            if len(self._heads) > 4096:
-                self._heads.clear()
-            bits = np.zeros(len(self.names), bool)
-            bits[cached[0]] = True
-            blob = encode(bits, [], FAST)
-            known = self._heads[token] = blob, self.transport.one_round_room(len(blob))
+            known = self._head(token, cache_id)
         blob, room = known
-        return (blob, token, cached[0]) if nbytes <= room else None
-
-    def run(self, head: SmallHead, src: np.ndarray, dst: np.ndarray, op: ReduceOp,
-            dtype: str, round_: int) -> list[bytes] | None:
-        """Run round ``round_`` with ``head`` and ``src``'s payload: None when every rank
-        proposed the same (``dst`` then holds the result, reduced from the payloads in rank
-        order, the same bits on every rank), else every rank's proposal, for the loop to
-        settle as a general round."""
-        blob, token, cache_id = head
-        parts = self.transport.one_round(blob, token, src, "negotiation round")
+        if src.nbytes > room:
+            return NOT_SENT
+        parts = self._round(blob, token, src, "negotiation round")
         if parts is None:
             return self.transport.one_round_blobs(blob, "negotiation round")
         fast = _DIRECT.get((op, dtype)) if len(parts) == 2 else None
@@ -95,6 +88,17 @@ class SmallPath:
         else:
             reduce_into(dst, parts[1:], op, dtype,
                         divide_by=len(parts) if op == ReduceOp.AVERAGE else 0, first=parts[0])
-        self.names.used(cache_id, round_)  # as a general round records its use
+        names.last[cache_id] = round_  # as a general round records its use
         self.rounds += 1
         return None
+
+    def _head(self, token: int, cache_id: int) -> tuple[bytes, int]:
+        """The proposal of exactly the cached name ``cache_id`` with a payload riding along
+        (the same bytes on every rank that proposes it), and the payload bytes that fit."""
+        if len(self._heads) > 4096:
+            self._heads.clear()
+        bits = np.zeros(token >> 32, bool)
+        bits[cache_id] = True
+        blob = encode(bits, [], FAST)
+        known = self._heads[token] = blob, self.transport.one_round_room(len(blob))
+        return known

@@ -149,12 +149,13 @@ class Transport:
         """The payload bytes that fit behind a proposal of ``head_bytes``."""
         return self.shm.chunk_bytes - self.shm.payload_offset(head_bytes)
 
-    def one_round(self, blob: bytes, token: int, payload: np.ndarray,
-                  what: str) -> list[np.ndarray] | None:
-        """A negotiation round carrying ``payload``: every rank's payload (by rank) when every
-        rank proposed the same ``blob`` (named by ``token``), else None, and the round must
-        be finished with :meth:`one_round_blobs`."""
-        return self.shm.small_round(blob, token, payload, what)
+    def one_round_primitive(self) -> Callable[[bytes, int, np.ndarray, str],
+                                              list[np.ndarray] | None]:
+        """``round(blob, token, payload, what)``: a negotiation round carrying ``payload``;
+        every rank's payload (by rank) when every rank proposed the same ``blob`` (named by
+        ``token``), else None, and the round must be finished with :meth:`one_round_blobs`.
+        Returned once and called directly: it is the latency path of small allreduces."""
+        return self.shm.small_round
 
     def one_round_blobs(self, blob: bytes, what: str) -> list[bytes]:
         """Every rank's proposal of a one-round attempt that did not agree."""
