@@ -253,6 +253,38 @@ def test_ddp_3_ranks_and_2x2_nodes() -> None:
                      timeout=50) == ["ok"] * 4
 
 
+def _steady(rank: int) -> dict:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    _init(rank)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4),
+                                torch.nn.Flatten(), torch.nn.Linear(4 * 6 * 6, 10),
+                                torch.nn.Linear(10, 3))
+    ddp = DistributedDataParallel(model, bucket_cap_mb=0.001)  # several buckets, buffers
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    names = dist.group.WORLD.communicator.engine.names
+    seen = []
+    for step in range(12):
+        x = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(step * 7 + rank))
+        opt.zero_grad()
+        ddp(x).square().mean().backward()
+        opt.step()
+        seen.append(names.negotiated)
+    return {"seen": seen, "weights": [p.detach().numpy().tobytes() for p in model.parameters()]}
+
+
+def test_a_steady_ddp_loop_negotiates_no_name_after_its_first_steps() -> None:
+    # DDP rebuilds its buckets after the first step and its buffer broadcasts settle in the
+    # next; names come back 4 steps later (shoal.core.callnames): from then on every
+    # collective's name and description recur, and every one is a cache hit
+    out = run_ranks(_steady, 2, timeout=60)
+    for got in out:
+        seen = got["seen"]
+        assert seen[0] > 0 and seen[6] == seen[-1], seen
+    assert out[0]["weights"] == out[1]["weights"]
+
+
 def _mismatched(rank: int) -> str:
     from torch.nn.parallel import DistributedDataParallel
     _init(rank)

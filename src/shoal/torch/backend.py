@@ -7,10 +7,13 @@
     torch.distributed.init_process_group("shoal")      # under torchrun or shoalrun
     model = torch.nn.parallel.DistributedDataParallel(model)
 
-Each c10d call becomes named shoal collectives ``torch.<group>.<slot>.<i>``, ``slot`` being
-the group's call counter modulo a window: c10d has every rank issue a group's calls in the
-same order, so ranks agree on names, the engine's name cache stays bounded, and ranks that
-disagree on a call's kind, shape or dtype get :class:`shoal.CollectiveMismatchError`.
+Each c10d call becomes named shoal collectives ``torch.<group>.<kind>.<place>.<i>``: the
+call's kind and its place among the calls of that kind in the current training step, steps
+being found from the calls' signatures (:class:`shoal.core.callnames.CallNames`). c10d has
+every rank issue a group's calls in the same order, so ranks agree on names, and a training
+loop's calls carry the same names every step: the engine's name cache applies (one bit per
+collective in a negotiation round). Ranks that disagree on a call's shape or dtype propose
+one name with different descriptions: :class:`shoal.CollectiveMismatchError` on every rank.
 
 Every collective is asynchronous: the call submits shoal collectives and returns a Work at
 once; the engine runs them in the order all ranks agree on, so groups never wait on each
@@ -46,6 +49,7 @@ from torch._C import _distributed_c10d as c10d
 import shoal
 from shoal.core import config
 from shoal.core.auth import secret_bytes
+from shoal.core.callnames import CallNames
 from shoal.core.communicator import Communicator, local_address
 from shoal.core.gradients import sparse_scale
 
@@ -58,7 +62,7 @@ from .work import ShoalWork, stage_bytes, timeout_seconds
 __all__ = ["BACKEND", "ShoalProcessGroup", "ShoalWork", "register"]
 
 BACKEND = "shoal"
-_WINDOW = 1024  # distinct call slots per group: bounds the engine's name cache
+_PLACES = 256  # places per kind and step (calls that form no steps take them in turn)
 _OPS = {dist.ReduceOp.RedOpType.SUM: shoal.Sum, dist.ReduceOp.RedOpType.AVG: shoal.Average,
         dist.ReduceOp.RedOpType.MIN: shoal.Min, dist.ReduceOp.RedOpType.MAX: shoal.Max,
         dist.ReduceOp.RedOpType.PRODUCT: shoal.Product,
@@ -85,7 +89,8 @@ class ShoalProcessGroup(dist.ProcessGroup):
         self._timeout = timeout
         self._store = store
         self._seq = 0
-        self._slots: dict[int, ShoalWork] = {}
+        self._calls = CallNames(f"torch.{group}", _PLACES,
+                                finished=lambda work: work.is_completed())
         self._monitor = 0  # monitored_barrier rounds
         self._lock = threading.Lock()
 
@@ -167,23 +172,24 @@ class ShoalProcessGroup(dist.ProcessGroup):
         return f"ShoalProcessGroup(rank={self.rank()}, size={self.size()}, group={self._group})"
 
     # -- naming and work -------------------------------------------------------------------
-    def _names(self, count: int) -> tuple[int, list[str]]:
-        """The next call's slot and its ``count`` collective names (same on every rank)."""
+    def _names(self, kind: str, signature: str, count: int) -> tuple[str, list[str]]:
+        """The next call's name and its ``count`` collective names (the same on every rank),
+        once the call that last used that name has finished."""
         with self._lock:
-            slot = self._seq % _WINDOW
             self._seq += 1
-            previous = self._slots.pop(slot, None)
+            call = self._calls.next(kind, signature)
+            previous = self._calls.take(call)
         if previous is not None:  # the name is reused: its last user must be finished
             with contextlib.suppress(Exception):  # its error surfaces through its own work
                 previous.handles_done(self._timeout)
-        return slot, [f"torch.{self._group}.{slot}.{i}" for i in range(count)]
+        return call, [f"{call}.{i}" for i in range(count)]
 
-    def _work(self, slot: int, handles: Sequence[shoal.Handle], finish: Callable[[], Any],
+    def _work(self, call: str, handles: Sequence[shoal.Handle], finish: Callable[[], Any],
               tensors: Sequence[torch.Tensor] = ()) -> ShoalWork:
         work = ShoalWork(handles, finish, [t.device for t in tensors], self._timeout)
         if handles:
             with self._lock:
-                self._slots[slot] = work
+                self._calls.hold(call, work)
         return work
 
     # -- reductions ------------------------------------------------------------------------
@@ -208,9 +214,10 @@ class ShoalProcessGroup(dist.ProcessGroup):
         return kind, prescale
 
     def _reduce_async(self, tensors: Sequence[torch.Tensor], op: dist.ReduceOp,
-                      copy: Sequence[bool] = ()) -> tuple[int, list[Staged], list[Any]]:
+                      copy: Sequence[bool] = ()) -> tuple[str, list[Staged], list[Any]]:
         kind, factor = self._op(op)
-        slot, names = self._names(len(tensors))
+        call, names = self._names("allreduce", _signature("allreduce", tensors, kind),
+                                  len(tensors))
         staged, handles = [], []
         for i, (tensor, name) in enumerate(zip(tensors, names, strict=True)):
             sop = _OPS[kind]
@@ -226,20 +233,20 @@ class ShoalProcessGroup(dist.ProcessGroup):
                                                       bf16=st.bf16, fused=True,
                                                       prescale_factor=prescale,
                                                       ready=st.ready))
-        return slot, staged, handles
+        return call, staged, handles
 
     def allreduce(self, tensors: list[torch.Tensor],
                   opts: c10d.AllreduceOptions = c10d.AllreduceOptions()) -> ShoalWork:  # noqa: B008
         """Reduce each tensor across ranks, in place (a list is reduced tensor by tensor)."""
         if any(t.is_sparse for t in tensors):
             return self._sparse_allreduce(tensors, opts.reduceOp)
-        slot, staged, handles = self._reduce_async(tensors, opts.reduceOp)
+        call, staged, handles = self._reduce_async(tensors, opts.reduceOp)
 
         def finish() -> list[torch.Tensor]:
             for st in staged:
                 st.finish()
             return list(tensors)
-        return self._work(slot, handles, finish, tensors)
+        return self._work(call, handles, finish, tensors)
 
     def _sparse_allreduce(self, tensors: _Tensors, op: dist.ReduceOp) -> ShoalWork:
         """Sparse COO tensors (gloo's sparse allreduce): every rank's indices and values are
@@ -247,7 +254,9 @@ class ShoalProcessGroup(dist.ProcessGroup):
         kind, prescale = self._op(op)
         scale = sparse_scale(_OPS[kind], self.size(), prescale, rank=self.rank(),
                              what=f"a sparse all_reduce ({kind})")
-        slot, names = self._names(2 * len(tensors))
+        call, names = self._names("sparse", _signature(
+            "sparse", [], kind, *[(tuple(t.size()), t.dtype) for t in tensors]),
+            2 * len(tensors))
         parts, handles = [], []
         for i, tensor in enumerate(tensors):
             t = tensor.coalesce()
@@ -268,7 +277,7 @@ class ShoalProcessGroup(dist.ProcessGroup):
                                                 tensor.size()).coalesce()
                 tensor.copy_(total)
             return list(tensors)
-        return self._work(slot, handles, finish, tensors)
+        return self._work(call, handles, finish, tensors)
 
     def allreduce_coalesced(self, tensors: _Tensors, opts: Any = None) -> ShoalWork:
         """Same as :meth:`allreduce` (shoal fuses the tensors itself)."""
@@ -279,14 +288,14 @@ class ShoalProcessGroup(dist.ProcessGroup):
         """Reduce onto ``opts.rootRank``; other ranks' tensors are left unchanged."""
         root = opts.rootRank
         copy = [self.rank() != root] * len(tensors)
-        slot, staged, handles = self._reduce_async(tensors, opts.reduceOp, copy)
+        call, staged, handles = self._reduce_async(tensors, opts.reduceOp, copy)
 
         def finish() -> list[torch.Tensor]:
             if self.rank() == root:
                 for st in staged:
                     st.finish()
             return list(tensors)
-        return self._work(slot, handles, finish, tensors)
+        return self._work(call, handles, finish, tensors)
 
     def reduce_scatter(self, output_tensors: _Tensors, input_tensors: list[_Tensors],
                        opts: c10d.ReduceScatterOptions = _RS, *,
@@ -303,15 +312,16 @@ class ShoalProcessGroup(dist.ProcessGroup):
             _flats = [torch.cat([t.reshape(-1) for t in parts]) for parts in input_tensors]
         flats = _flats
         if not even:
-            slot, staged, handles = self._reduce_async(flats, opts.reduceOp)
+            call, staged, handles = self._reduce_async(flats, opts.reduceOp)
 
             def finish() -> list[torch.Tensor]:
                 for out, st, parts in zip(output_tensors, staged, input_tensors, strict=True):
                     start = sum(p.numel() for p in parts[:me])
                     copy_back(st.host.reshape(-1)[start:start + out.numel()], out)
                 return list(output_tensors)
-            return self._work(slot, handles, finish, output_tensors)
-        slot, names = self._names(len(flats))
+            return self._work(call, handles, finish, output_tensors)
+        call, names = self._names("reducescatter", _signature("reducescatter", flats, kind),
+                                  len(flats))
         handles, results = [], []
         for flat, out, name in zip(flats, output_tensors, names, strict=True):
             flat, prescale = _premultiplied(flat, factor, in_place=False)
@@ -326,7 +336,7 @@ class ShoalProcessGroup(dist.ProcessGroup):
             for got in results:
                 got.finish()
             return list(output_tensors)
-        return self._work(slot, handles, scattered, output_tensors)
+        return self._work(call, handles, scattered, output_tensors)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
                               opts: c10d.ReduceScatterOptions = _RS) -> ShoalWork:
@@ -352,7 +362,8 @@ class ShoalProcessGroup(dist.ProcessGroup):
     def broadcast(self, tensors: list[torch.Tensor],
                   opts: c10d.BroadcastOptions = c10d.BroadcastOptions()) -> ShoalWork:  # noqa: B008
         """Overwrite each tensor with ``opts.rootRank``'s."""
-        slot, names = self._names(len(tensors))
+        call, names = self._names("broadcast", _signature("broadcast", tensors, opts.rootRank),
+                                  len(tensors))
         staged, handles = [], []
         for tensor, name in zip(tensors, names, strict=True):
             st, raw = stage_bytes(tensor)
@@ -364,14 +375,14 @@ class ShoalProcessGroup(dist.ProcessGroup):
             for st in staged:
                 st.finish()
             return list(tensors)
-        return self._work(slot, handles, finish, tensors)
+        return self._work(call, handles, finish, tensors)
 
     def barrier(self, opts: c10d.BarrierOptions = c10d.BarrierOptions()) -> ShoalWork:  # noqa: B008
         """Complete once every rank has reached the barrier (``opts.timeout``, when set,
         bounds the wait instead of the group's timeout)."""
-        slot, (name,) = self._names(1)
+        call, (name,) = self._names("barrier", "barrier", 1)
         handle = self._comm.allreduce_async(np.zeros(1, np.int32), shoal.Sum, name=name)
-        work = self._work(slot, [handle], list)
+        work = self._work(call, [handle], list)
         work._timeout = timeout_seconds(opts.timeout) or work._timeout
         return work
 
@@ -411,7 +422,10 @@ class ShoalProcessGroup(dist.ProcessGroup):
     def _gathers(self, outputs: list[_Tensors], inputs: _Tensors, value: Any) -> ShoalWork:
         """Every rank's ``inputs[i]`` (as bytes) into ``outputs[i]``, one allgather each,
         started at once; the work completes off the caller's thread."""
-        slot, names = self._names(len(inputs))
+        # (the ranks' input shapes may differ: the dtypes and the count are the signature)
+        call, names = self._names("allgather",
+                                  "allgather " + " ".join(str(t.dtype) for t in inputs),
+                                  len(inputs))
         handles, landed = [], []
         for tensor, name, outs in zip(inputs, names, outputs, strict=True):
             st, raw = stage_bytes(tensor)
@@ -430,14 +444,14 @@ class ShoalProcessGroup(dist.ProcessGroup):
                 else:
                     into.finish()
             return value
-        return self._work(slot, handles, finish, [t for outs in outputs for t in outs])
+        return self._work(call, handles, finish, [t for outs in outputs for t in outs])
 
     def _exchange(self, data: np.ndarray, splits: list[int], outs: _Tensors, value: Any,
                   ready: Callable[[], None] | None = None,
                   check: Callable[[np.ndarray], None] | None = None) -> ShoalWork:
         """Send ``splits[r]`` consecutive bytes of ``data`` to rank ``r``; the bytes
         received fill ``outs`` when the work completes (``check`` sees them first)."""
-        slot, (name,) = self._names(1)
+        call, (name,) = self._names("alltoall", "alltoall", 1)
         handle = self._comm.alltoall_async(data, splits, name=name, ready=ready)
 
         def finish() -> Any:
@@ -446,7 +460,7 @@ class ShoalProcessGroup(dist.ProcessGroup):
                 check(got)
             fill_bytes(outs, got)
             return value
-        return self._work(slot, [handle], finish, outs)
+        return self._work(call, [handle], finish, outs)
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
                           output_split_sizes: list[int], input_split_sizes: list[int],
@@ -530,6 +544,13 @@ class ShoalProcessGroup(dist.ProcessGroup):
                   tensor: torch.Tensor) -> ShoalWork:
         return ShoalWork([handle], finish, [tensor.device], self._timeout,
                          source=lambda: handle.source)
+
+
+def _signature(kind: str, tensors: Sequence[torch.Tensor], *extra: Any) -> str:
+    """What every rank agrees on about a call: its kind, each tensor's shape and dtype, and
+    ``extra`` (the op, a root)."""
+    return " ".join([kind, *map(str, extra),
+                     *(f"{tuple(t.shape)}{t.dtype}" for t in tensors)])
 
 
 def _premultiplied(tensor: torch.Tensor, factor: float | torch.Tensor, in_place: bool

@@ -227,9 +227,11 @@ class Buckets:
             s = stage(squeezed, copy=squeezed.data_ptr() == b.flat.data_ptr(), reuse=b.staged)
         else:
             s = stage(b.flat, reuse=b.staged)
+        # a bucket is fused already: started at once, not held back a cycle to fuse more
         b.handle = self._comm.allreduce_async(s.array, op=op, name=b.name, out=s.array,
                                               compression=self._compression, bf16=s.bf16,
-                                              prescale_factor=prescale, ready=s.ready)
+                                              prescale_factor=prescale, ready=s.ready,
+                                              fused=True)
         b.staged = s
 
     def finish(self) -> None:

@@ -29,6 +29,7 @@ class NameCache:
         self.by_id: list[str] = []
         # per id: the round the name last ran in (the one-round path records its own use)
         self.last = np.zeros(0, np.int64)
+        self.negotiated = 0  # names negotiated in full (new or changed), for diagnostics
 
     def __len__(self) -> int:
         return len(self.by_id)
@@ -64,6 +65,7 @@ class NameCache:
         for name, desc in decision.fresh:
             self.entries[name] = (len(self.by_id), desc)
             self.by_id.append(name)
+        self.negotiated += len(decision.adopted) + len(decision.fresh)
         if decision.fresh:
             self.last = np.concatenate([self.last, np.zeros(len(decision.fresh), np.int64)])
         self.last[decision.ran_ids] = round_  # vectorised: no per-name Python in steady state
