@@ -246,6 +246,29 @@ def test_ddp_alone() -> None:
     assert run_ranks(_ddp, 1, cases, timeout=50) == ["ok"]
 
 
+def _alone(rank: int) -> list:
+    import torch.distributed as dist
+    _init(rank)
+    out = []
+    for op, want in ((dist.ReduceOp.SUM, 3.0), (dist.ReduceOp.AVG, 3.0), (dist.ReduceOp.MAX, 3.0),
+                     (dist._make_nccl_premul_sum(2.0), 6.0),
+                     (dist._make_nccl_premul_sum(torch.tensor(0.5)), 1.5)):
+        t = torch.full((4,), 3.0)
+        work = dist.all_reduce(t, op=op, async_op=True)
+        out.append(work.is_completed() and work.wait() and bool((t == want).all())
+                   and work.get_future().value()[0] is t)
+    b = torch.arange(3.0)
+    out.append(dist.broadcast(b, src=0, async_op=True).wait() and b.tolist() == [0, 1, 2])
+    dist.barrier()
+    seq = dist.group.WORLD._get_sequence_number_for_group()
+    out.append(seq >= 7)
+    return out
+
+
+def test_a_group_of_one_completes_reductions_and_broadcasts_at_once() -> None:
+    assert all(run_ranks(_alone, 1, timeout=50)[0])
+
+
 def test_ddp_3_ranks_and_2x2_nodes() -> None:
     cases = [("conv", "plain"), ("mlp", "no_sync"), ("mlp", "fp16")]
     assert run_ranks(_ddp, 3, cases, timeout=50) == ["ok"] * 3

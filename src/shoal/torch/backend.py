@@ -89,6 +89,7 @@ class ShoalProcessGroup(dist.ProcessGroup):
         self._timeout = timeout
         self._store = store
         self._seq = 0
+        self._alone = comm.size == 1  # a group of one: reductions and broadcasts are no-ops
         self._calls = CallNames(f"torch.{group}", _PLACES,
                                 finished=lambda work: work.is_completed())
         self._monitor = 0  # monitored_barrier rounds
@@ -184,6 +185,12 @@ class ShoalProcessGroup(dist.ProcessGroup):
                 previous.handles_done(self._timeout)
         return call, [f"{call}.{i}" for i in range(count)]
 
+    def _done(self, value: Any) -> ShoalWork:
+        """A call of a group of one, complete at once (it still counts in the sequence)."""
+        with self._lock:
+            self._seq += 1
+        return ShoalWork.completed(value, self._timeout)
+
     def _work(self, call: str, handles: Sequence[shoal.Handle], finish: Callable[[], Any],
               tensors: Sequence[torch.Tensor] = ()) -> ShoalWork:
         work = ShoalWork(handles, finish, [t.device for t in tensors], self._timeout)
@@ -240,6 +247,13 @@ class ShoalProcessGroup(dist.ProcessGroup):
         """Reduce each tensor across ranks, in place (a list is reduced tensor by tensor)."""
         if any(t.is_sparse for t in tensors):
             return self._sparse_allreduce(tensors, opts.reduceOp)
+        if self._alone:  # every op leaves one rank's tensor as it is; PREMUL_SUM scales it
+            _, factor = self._op(opts.reduceOp)
+            for tensor in tensors:
+                if isinstance(factor, torch.Tensor) or factor != 1.0:
+                    tensor.mul_(factor.to(tensor.device, tensor.dtype)
+                                if isinstance(factor, torch.Tensor) else factor)
+            return self._done(list(tensors))
         call, staged, handles = self._reduce_async(tensors, opts.reduceOp)
 
         def finish() -> list[torch.Tensor]:
@@ -362,6 +376,8 @@ class ShoalProcessGroup(dist.ProcessGroup):
     def broadcast(self, tensors: list[torch.Tensor],
                   opts: c10d.BroadcastOptions = c10d.BroadcastOptions()) -> ShoalWork:  # noqa: B008
         """Overwrite each tensor with ``opts.rootRank``'s."""
+        if self._alone and opts.rootRank == 0:  # from this rank to itself
+            return self._done(list(tensors))
         call, names = self._names("broadcast", _signature("broadcast", tensors, opts.rootRank),
                                   len(tensors))
         staged, handles = [], []
@@ -380,6 +396,8 @@ class ShoalProcessGroup(dist.ProcessGroup):
     def barrier(self, opts: c10d.BarrierOptions = c10d.BarrierOptions()) -> ShoalWork:  # noqa: B008
         """Complete once every rank has reached the barrier (``opts.timeout``, when set,
         bounds the wait instead of the group's timeout)."""
+        if self._alone:
+            return self._done([])
         call, (name,) = self._names("barrier", "barrier", 1)
         handle = self._comm.allreduce_async(np.zeros(1, np.int32), shoal.Sum, name=name)
         work = self._work(call, [handle], list)
