@@ -262,6 +262,10 @@ def _alone(rank: int) -> list:
     dist.barrier()
     seq = dist.group.WORLD._get_sequence_number_for_group()
     out.append(seq >= 7)
+    import shoal
+    # a process group's calls start at once; Horovod's API keeps the fusion cycle
+    out.append(dist.group.WORLD.communicator.start_at_once
+               and not shoal.communicator().start_at_once)
     return out
 
 

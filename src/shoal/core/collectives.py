@@ -130,11 +130,19 @@ class Collectives:
         return f"{kind}.noname.{epoch}.{self._counter}" if epoch else \
             f"{kind}.noname.{self._counter}"
 
+    #: every collective starts at once, none waiting the engine's fusion cycle: for a
+    #: communicator whose callers have each call be a collective of its own (a torch process
+    #: group). Horovod's API keeps the cycle, within which a second request of a name still
+    #: pending is refused, as Horovod's own background thread does.
+    start_at_once = False
+
     def _chain(self, req: Request, result: Any, wake: bool,
                then: Callable[[Any], Any] | None = None) -> Handle:
         """Submit ``req``; the handle resolves to ``result`` (the caller's own array, not the
         flat storage view the engine works on), passed through ``then`` if given."""
         req.result = result
+        if self.start_at_once:
+            req.fused = True
         return Handle(self.engine, self.engine.submit(req, wake=wake), then)
 
     def allreduce_async(self, array: np.ndarray, op: ReduceOp = ReduceOp.AVERAGE,

@@ -85,6 +85,9 @@ class ShoalProcessGroup(dist.ProcessGroup):
                  timeout: float | None = None, store: Any = None) -> None:
         super().__init__(comm.rank, comm.size)
         self._comm = comm
+        # each c10d call is a collective of its own (DDP's buckets, buffers, FSDP's gathers):
+        # started at once, never held back a cycle to fuse
+        comm.start_at_once = True
         self._group = group
         self._timeout = timeout
         self._store = store

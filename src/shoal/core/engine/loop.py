@@ -183,10 +183,7 @@ class Engine:
                     self._cv.wait(1.0)
                 if self._stopping:
                     return
-                # only allreduces fuse: any other kind, or a bucket its caller fused, starts
-                # at once rather than a cycle later
-                fused = all(r.fused or r.kind is not Kind.ALLREDUCE
-                            for r in self._pending.values())
+                fused = all(r.fused for r in self._pending.values())
             if not (fused and progressed):
                 time.sleep(cycle)  # let more tensors arrive, to fuse them
             if not self._run.acquire(timeout=1.0):
