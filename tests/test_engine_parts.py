@@ -45,7 +45,7 @@ def test_a_name_is_sent_in_full_once_then_as_one_bit() -> None:
     bits, new = cache.split([_req("a"), _req("b")])
     assert bits.size == 0 and [e[0] for e in new] == ["a", "b"]
     _round(cache, ["a", "b"], 1)
-    assert cache.by_id == ["a", "b"] and cache.get("b") == (1, AR) and len(cache) == 2
+    assert cache.by_id == ["a", "b"] and cache.entries["b"] == (1, AR) and len(cache) == 2
     bits, new = cache.split([_req("b")])
     assert list(bits) == [False, True] and new == []
 
@@ -77,7 +77,7 @@ def test_the_one_round_use_counts_as_a_use() -> None:
     cache = NameCache(16)
     for i in range(17):
         _round(cache, [f"n{i:02d}"], i + 1)
-    cache.last[cache.get("n00")[0]] = 99  # as the one-round path records a use
+    cache.last[cache.entries["n00"][0]] = 99  # as the one-round path records a use
     cache.evict()
     assert "n00" in cache.by_id and "n01" not in cache.by_id
 

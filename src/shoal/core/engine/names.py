@@ -34,10 +34,6 @@ class NameCache:
     def __len__(self) -> int:
         return len(self.by_id)
 
-    def get(self, name: str) -> tuple[int, str] | None:
-        """``(id, desc)`` of a cached name, or None."""
-        return self.entries.get(name)
-
     def desc(self, name: str) -> str:
         """The description every rank agreed on for a cached ``name``."""
         return self.entries[name][1]
