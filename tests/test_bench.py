@@ -212,5 +212,11 @@ def test_fsdp_bench_times_both_backends_and_compares_weights(tmp_path) -> None:
     assert res["np"] == 2 and set(res["step_s"]) == {"shoal", "gloo"}
     assert res["step_s"]["shoal"]["n"] == 2 and res["ratio_gloo_over_shoal"] > 0
     assert res["max_weight_diff"] < 1e-5  # same data, same model: the same training
+    # the overlap measurement saw the same collectives on both backends, and replaying them
+    # (on copies) changed no weight
+    shoal_o, gloo_o = res["overlap"]["shoal"], res["overlap"]["gloo"]
+    assert shoal_o["collectives"] == gloo_o["collectives"] >= 2
+    for o in (shoal_o, gloo_o):
+        assert o["alone_s"] > 0 and o["exposed_s"] > 0 and 0 <= o["hidden"] <= 1
     from shoal.bench.fsdp import section
     assert "FSDP2" in "\n".join(section({"results": [res]}))
