@@ -220,3 +220,21 @@ def test_fsdp_bench_times_both_backends_and_compares_weights(tmp_path) -> None:
         assert o["alone_s"] > 0 and o["exposed_s"] > 0 and 0 <= o["hidden"] <= 1
     from shoal.bench.fsdp import section
     assert "FSDP2" in "\n".join(section({"results": [res]}))
+
+
+def test_ddp_bench_alternates_both_backends_in_one_job_and_compares_weights(tmp_path) -> None:
+    pytest.importorskip("torch")
+    out = tmp_path / "ddp.json"
+    proc = _shoal("bench", "ddp", "--np", "2", "--archs", "small-cnn", "--settings", "16:4",
+                  "--trials", "3", "--steps", "1", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads(out.read_text())["results"][0]
+    (row,) = res["rows"]
+    assert (row["arch"], row["image_size"], row["batch"], row["np"]) == ("small-cnn", 16, 4, 2)
+    assert row["step_s"]["shoal"]["n"] == row["step_s"]["gloo"]["n"] == 3
+    assert row["ratio_gloo_over_shoal"]["n"] == 3 and row["ratio_gloo_over_shoal"]["median"] > 0
+    assert row["images_per_s"]["shoal"] > 0 and row["images_per_s"]["gloo"] > 0
+    assert row["max_weight_diff"] < 1e-5  # same data, same model: the same training
+    from shoal.bench.ddp import section
+    text = "\n".join(section({"results": [res]}))
+    assert "| 2 | small-cnn | 16, 4 |" in text

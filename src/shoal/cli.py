@@ -18,6 +18,7 @@ _BENCH = {
     "soak": "many mixed collectives checked against numpy: mismatches, memory, cache size",
     "faults": "inject kill -9, SIGSTOP, a cut link, strangers, mismatches; record detection",
     "fsdp": "FSDP2 training steps over backend shoal vs over gloo, side by side",
+    "ddp": "stock DDP training steps over backend shoal vs over gloo, side by side",
     "elastic": "an elastic job losing a worker: seconds from the kill to the next step",
     "report": "regenerate BENCHMARKS.md and its plots from the JSON results",
 }

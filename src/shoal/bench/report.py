@@ -275,6 +275,10 @@ def build(folder: str) -> str:
     if data is not None:
         from .fsdp import section as fsdp_section
         lines += fsdp_section(data)
+    data = load_results(folder, "ddp")
+    if data is not None:
+        from .ddp import section as ddp_section
+        lines += ddp_section(data)
     data = load_results(folder, "elastic")
     if data is not None:
         from .elastic import section as elastic_section

@@ -1,0 +1,169 @@
+"""``shoal bench ddp``: stock DDP over backend "shoal" and over gloo, side by side in the same
+processes.
+
+``shoal bench train`` starts one job per backend and trial; on a machine whose speed drifts
+within minutes (a shared cloud VM), jobs a minute apart see different machines, and a 10%
+difference between backends drowns in the drift. Here both DDP models live in the same worker
+processes, built from one seed on a ``"shoal"`` group and on a gloo group, and take turns
+trial by trial (who goes first rotates), so each pair of trials sees the same machine. A trial
+is ``--steps`` training steps (forward, backward with DDP's bucketed allreduces, SGD with
+momentum) on a fixed batch of random images; per trial the slowest rank counts. The ratio is
+taken per pair of trials and its median reported, with the medians of the step times. After
+the trials the two models' weights are compared: same data, same model, the same training.
+
+Needs the EfficientNet application's models (``apps/efficientnet``, a source checkout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .common import worst_over_ranks
+from .stats import stats
+
+__all__ = ["add_arguments", "format_table", "run", "section", "worker_main"]
+
+BACKENDS = ("shoal", "gloo")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of ``shoal bench ddp``."""
+    p.add_argument("--np", type=int, nargs="+", default=[2], dest="np_")
+    p.add_argument("--archs", default="small-cnn,efficientnet-b0",
+                   help="comma-separated: small-cnn and EfficientNet variants")
+    p.add_argument("--settings", default="32:16",
+                   help="comma-separated image_size:per-worker-batch pairs")
+    p.add_argument("--trials", type=int, default=15)
+    p.add_argument("--steps", type=int, default=10, help="training steps per trial")
+    p.add_argument("--out", default="benchmarks/ddp.json")
+    p.add_argument("--timeout", type=float, default=3600)
+
+
+def _model(torch: Any, arch: str) -> Any:
+    from apps.efficientnet.config.variants import SMALL_CNN
+    from apps.efficientnet.model.efficientnet import efficientnet
+    from apps.efficientnet.model.small_cnn import SmallCNN
+    torch.manual_seed(0)
+    return SmallCNN(1000) if arch == SMALL_CNN else efficientnet(arch, num_classes=1000)
+
+
+def _one(torch: Any, dist: Any, groups: dict[str, Any], arch: str, size: int, batch: int,
+         args: argparse.Namespace) -> dict[str, Any]:
+    """Both backends' trials of one model and setting; this rank's times and weights."""
+    from .common import alternate
+    me = dist.get_rank()
+    runs = {}
+    for name, group in groups.items():
+        model = torch.nn.parallel.DistributedDataParallel(_model(torch, arch),
+                                                          process_group=group)
+        runs[name] = (model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
+    g = torch.Generator().manual_seed(me)
+    x = torch.randn(batch, 3, size, size, generator=g)
+    y = torch.randint(0, 1000, (batch,), generator=g)
+    loss = torch.nn.CrossEntropyLoss()
+
+    def step(name: str) -> None:
+        model, opt = runs[name]
+        opt.zero_grad(set_to_none=True)
+        loss(model(x), y).backward()
+        opt.step()
+
+    times = alternate({name: lambda n=name: step(n) for name in runs}, args.trials,
+                      args.steps, dist.barrier)
+    flat = {name: torch.cat([p.detach().reshape(-1) for p in runs[name][0].parameters()])
+            for name in runs}
+    diff = float((flat["shoal"] - flat["gloo"]).abs().max())
+    return {"times": times, "diff": diff}
+
+
+def worker_main(argv: Sequence[str]) -> None:
+    """One rank (started by shoalrun)."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--archs", required=True)
+    p.add_argument("--settings", required=True)
+    for flag in ("--trials", "--steps"):
+        p.add_argument(flag, type=int, required=True)
+    p.add_argument("--json", required=True)
+    args = p.parse_args(argv)
+    import json
+
+    import shoal
+    import shoal.torch.backend as backend
+
+    from .common import init_gloo
+    shoal.init()
+    torch, dist = init_gloo()  # the default group: gloo, over env://
+    backend.register()
+    groups = {name: dist.new_group(backend=name) for name in BACKENDS}
+    rows = []
+    for arch in args.archs.split(","):
+        for setting in args.settings.split(","):
+            size, batch = (int(v) for v in setting.split(":"))
+            mine = _one(torch, dist, groups, arch, size, batch, args)
+            every = shoal.allgather_object(mine)
+            n = dist.get_world_size()
+            worst = {name: np.max([r["times"][name] for r in every], axis=0)
+                     for name in BACKENDS}
+            ratios = worst["gloo"] / worst["shoal"]
+            rows.append({"arch": arch, "image_size": size, "batch": batch, "np": n,
+                         "step_s": {name: worst_over_ranks([r["times"][name] for r in every])
+                                    for name in BACKENDS},
+                         "images_per_s": {name: batch * n / float(np.median(worst[name]))
+                                          for name in BACKENDS},
+                         "ratio_gloo_over_shoal": stats(ratios),
+                         "max_weight_diff": max(r["diff"] for r in every)})
+    if dist.get_rank() == 0:
+        with open(args.json, "w") as f:
+            json.dump({"np": dist.get_world_size(), "trials": args.trials,
+                       "steps_per_trial": args.steps, "rows": rows}, f)
+    dist.destroy_process_group()
+    shoal.shutdown()
+
+
+def format_table(results: list[dict[str, Any]]) -> str:
+    """One row per world size, model and setting."""
+    lines = ["workers | model | image px, batch | DDP over shoal: images/s (step spread) | "
+             "DDP over gloo: images/s (step spread) | gloo / shoal: median of trials "
+             "(spread) | max weight difference"]
+    for res in results:
+        for r in res["rows"]:
+            s, g = r["step_s"]["shoal"], r["step_s"]["gloo"]
+            ratio = r["ratio_gloo_over_shoal"]
+            lines.append(f"{r['np']} | {r['arch']} | {r['image_size']}, {r['batch']} | "
+                         f"{r['images_per_s']['shoal']:.0f} ({s['spread']:.0%}) | "
+                         f"{r['images_per_s']['gloo']:.0f} ({g['spread']:.0%}) | "
+                         f"{ratio['median']:.2f}x ({ratio['spread']:.0%}) | "
+                         f"{r['max_weight_diff']:.1e}")
+    return "\n".join(lines)
+
+
+def section(data: dict[str, Any]) -> list[str]:
+    """The BENCHMARKS.md section for ``benchmarks/ddp.json``."""
+    rows = format_table(data["results"]).splitlines()
+    first = data["results"][0]
+    return ["## Stock DDP over shoal and over gloo, in the same processes", "",
+            f"`{data.get('command', 'shoal bench ddp')}`: both DDP models in the same "
+            f"workers, taking turns trial by trial ({first['trials']} trials of "
+            f"{first['steps_per_trial']} steps, SGD with momentum, 1 thread per worker), so "
+            f"each pair of trials sees the same machine; per trial the slowest rank; the "
+            f"ratio is the median over pairs of trials (> 1: DDP over shoal is faster).", "",
+            "| " + rows[0] + " |", "|" + "---|" * (rows[0].count("|") + 1),
+            *["| " + r + " |" for r in rows[1:]], ""]
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run one job per world size through shoalrun and write the JSON results."""
+    from .common import run_and_record, run_job
+    job = ["--archs", args.archs, "--settings", args.settings, "--trials", str(args.trials),
+           "--steps", str(args.steps)]
+    return run_and_record("ddp", args.np_, lambda np_: run_job(
+        np_, "shoal.bench.ddp", job, timeout=args.timeout), format_table, args.out)
+
+
+if __name__ == "__main__":
+    worker_main(sys.argv[1:])
