@@ -121,15 +121,12 @@ def format_table(results: list[dict[str, Any]]) -> str:
 
 def section(data: dict[str, Any]) -> list[str]:
     """The BENCHMARKS.md section for ``benchmarks/collectives.json``."""
-    rows = format_table(data["results"]).splitlines()
-    head = "| " + rows[0].replace(" | ", " | ") + " |"
-    sep = "|" + "---|" * (rows[0].count("|") + 1)
-    body = ["| " + r + " |" for r in rows[1:]]
+    from .common import markdown_table
     return ["## Reduce-scatter and allgather", "",
             f"`{data.get('command', 'shoal bench collectives')}`. Float32, Sum; times are "
             "per-trial maxima over ranks, min over trials; methods alternate trial by trial. "
             "reducescatter keeps 1/n of the input on each rank; allgather sends 1/n from each.",
-            "", head, sep, *body, ""]
+            "", *markdown_table(format_table(data["results"])), ""]
 
 
 def run(args: argparse.Namespace) -> int:

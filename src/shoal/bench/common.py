@@ -17,8 +17,9 @@ import numpy as np
 
 from .stats import stats
 
-__all__ = ["alternate", "free_port", "init_gloo", "load_results", "machine", "run_job",
-           "run_mpi_job", "worst_over_ranks", "write_results"]
+__all__ = ["alternate", "free_port", "init_gloo", "load_results", "machine", "markdown_table",
+           "report_section",
+           "run_job", "run_jobs", "run_mpi_job", "worst_over_ranks", "write_results"]
 
 
 def free_port() -> int:
@@ -64,9 +65,33 @@ def alternate(methods: dict[str, Callable[[], Any]], trials: int, reps: int,
     return times
 
 
+def markdown_table(table: str) -> list[str]:
+    """A ``format_table`` text (a header line, then rows, cells split by `` | ``) as the lines
+    of a Markdown table."""
+    rows = table.splitlines()
+    return ["| " + rows[0] + " |", "|" + "---|" * (rows[0].count("|") + 1),
+            *["| " + r + " |" for r in rows[1:]]]
+
+
+def report_section(title: str, data: dict[str, Any], command: str, text: str,
+                   table: Callable[[list[dict[str, Any]]], str]) -> list[str]:
+    """A BENCHMARKS.md section: ``title``, the command that made ``data`` (else ``command``)
+    with ``text`` after it, and ``table`` of ``data["results"]`` as a Markdown table."""
+    return [f"## {title}", "", f"`{data.get('command', command)}`: {text}", "",
+            *markdown_table(table(data["results"])), ""]
+
+
 def worst_over_ranks(per_rank: Sequence[Sequence[float]]) -> dict[str, float]:
     """Per trial the slowest rank counts (a collective is as slow as its slowest member)."""
     return stats(np.max(np.asarray(per_rank, dtype=np.float64), axis=0))
+
+
+def run_jobs(bench: str, args: Any, job: Sequence[str],
+             table: Callable[[list[dict[str, Any]]], str]) -> int:
+    """One shoalrun job of ``shoal.bench.<bench>`` per world size in ``args.np_``, with the
+    worker arguments ``job``; results to ``args.out`` (:func:`run_and_record`)."""
+    return run_and_record(bench, args.np_, lambda np_: run_job(
+        np_, f"shoal.bench.{bench}", job, timeout=args.timeout), table, args.out)
 
 
 def run_and_record(bench: str, sizes: Sequence[int], job: Callable[[int], dict[str, Any]],

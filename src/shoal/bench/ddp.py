@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from .common import worst_over_ranks
+from .common import report_section, worst_over_ranks
 from .stats import stats
 
 __all__ = ["add_arguments", "format_table", "run", "section", "worker_main"]
@@ -144,25 +144,22 @@ def format_table(results: list[dict[str, Any]]) -> str:
 
 def section(data: dict[str, Any]) -> list[str]:
     """The BENCHMARKS.md section for ``benchmarks/ddp.json``."""
-    rows = format_table(data["results"]).splitlines()
     first = data["results"][0]
-    return ["## Stock DDP over shoal and over gloo, in the same processes", "",
-            f"`{data.get('command', 'shoal bench ddp')}`: both DDP models in the same "
-            f"workers, taking turns trial by trial ({first['trials']} trials of "
-            f"{first['steps_per_trial']} steps, SGD with momentum, 1 thread per worker), so "
-            f"each pair of trials sees the same machine; per trial the slowest rank; the "
-            f"ratio is the median over pairs of trials (> 1: DDP over shoal is faster).", "",
-            "| " + rows[0] + " |", "|" + "---|" * (rows[0].count("|") + 1),
-            *["| " + r + " |" for r in rows[1:]], ""]
+    return report_section(
+        "Stock DDP over shoal and over gloo, in the same processes", data, "shoal bench ddp",
+        f"both DDP models in the same workers, taking turns trial by trial "
+        f"({first['trials']} trials of {first['steps_per_trial']} steps, SGD with momentum, "
+        f"1 thread per worker), so each pair of trials sees the same machine; per trial the "
+        f"slowest rank; the ratio is the median over pairs of trials (> 1: DDP over shoal is "
+        f"faster).", format_table)
 
 
 def run(args: argparse.Namespace) -> int:
     """Run one job per world size through shoalrun and write the JSON results."""
-    from .common import run_and_record, run_job
+    from .common import run_jobs
     job = ["--archs", args.archs, "--settings", args.settings, "--trials", str(args.trials),
            "--steps", str(args.steps)]
-    return run_and_record("ddp", args.np_, lambda np_: run_job(
-        np_, "shoal.bench.ddp", job, timeout=args.timeout), format_table, args.out)
+    return run_jobs("ddp", args, job, format_table)
 
 
 if __name__ == "__main__":

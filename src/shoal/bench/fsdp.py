@@ -18,7 +18,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from .common import worst_over_ranks
+from .common import report_section, worst_over_ranks
 
 __all__ = ["add_arguments", "format_table", "run", "section", "worker_main"]
 
@@ -146,31 +146,27 @@ def format_table(results: list[dict[str, Any]]) -> str:
 
 def section(data: dict[str, Any]) -> list[str]:
     """The BENCHMARKS.md section for ``benchmarks/fsdp.json``."""
-    rows = format_table(data["results"]).splitlines()
     first = data["results"][0]
-    return ["## FSDP2 over shoal and over gloo", "",
-            f"`{data.get('command', 'shoal bench fsdp')}`: `fully_shard` per layer on a "
-            f"{first['layers']}-layer transformer of width {first['width']} (batch 8 x 64 "
-            f"tokens per rank), the same model over a \"shoal\" group and a gloo group in "
-            f"the same processes, taking turns trial by trial; {first['trials']} trials of "
-            f"{first['steps_per_trial']} steps, per trial the slowest rank; gloo / shoal > 1 "
-            f"means shoal's step is shorter. Communication per step, measured apart from "
-            f"the trials: *alone* is the step's all-gathers and reduce-scatters replayed "
-            f"back to back with no computation, *exposed* the training thread's time in "
-            f"the issuing calls and blocked in `Work.wait` during real steps; *hidden* = "
-            f"1 - exposed / alone, what prefetching and asynchronous reduce-scatters "
-            f"overlap with computation (`shoal.bench.fsdp_overlap`).", "",
-            "| " + rows[0] + " |", "|" + "---|" * (rows[0].count("|") + 1),
-            *["| " + r + " |" for r in rows[1:]], ""]
+    return report_section(
+        "FSDP2 over shoal and over gloo", data, "shoal bench fsdp",
+        f"`fully_shard` per layer on a {first['layers']}-layer transformer of width "
+        f"{first['width']} (batch 8 x 64 tokens per rank), the same model over a \"shoal\" "
+        f"group and a gloo group in the same processes, taking turns trial by trial; "
+        f"{first['trials']} trials of {first['steps_per_trial']} steps, per trial the "
+        f"slowest rank; gloo / shoal > 1 means shoal's step is shorter. Communication per "
+        f"step, measured apart from the trials: *alone* is the step's all-gathers and "
+        f"reduce-scatters replayed back to back with no computation, *exposed* the training "
+        f"thread's time in the issuing calls and blocked in `Work.wait` during real steps; "
+        f"*hidden* = 1 - exposed / alone, what prefetching and asynchronous reduce-scatters "
+        f"overlap with computation (`shoal.bench.fsdp_overlap`).", format_table)
 
 
 def run(args: argparse.Namespace) -> int:
     """Run one job per world size through shoalrun and write the JSON results."""
-    from .common import run_and_record, run_job
+    from .common import run_jobs
     job = ["--trials", str(args.trials), "--steps", str(args.steps),
            "--layers", str(args.layers), "--width", str(args.width)]
-    return run_and_record("fsdp", args.np_, lambda np_: run_job(
-        np_, "shoal.bench.fsdp", job, timeout=args.timeout), format_table, args.out)
+    return run_jobs("fsdp", args, job, format_table)
 
 
 if __name__ == "__main__":
