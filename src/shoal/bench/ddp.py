@@ -45,11 +45,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _model(torch: Any, arch: str) -> Any:
+    """``arch`` without randomness in training (no dropout, no stochastic depth): the two
+    models draw from one generator in turns, and their weights must agree at the end."""
     from apps.efficientnet.config.variants import SMALL_CNN
     from apps.efficientnet.model.efficientnet import efficientnet
     from apps.efficientnet.model.small_cnn import SmallCNN
     torch.manual_seed(0)
-    return SmallCNN(1000) if arch == SMALL_CNN else efficientnet(arch, num_classes=1000)
+    model = (SmallCNN(1000) if arch == SMALL_CNN
+             else efficientnet(arch, num_classes=1000, drop_connect_rate=0.0))
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    return model
 
 
 def _one(torch: Any, dist: Any, groups: dict[str, Any], arch: str, size: int, batch: int,
