@@ -226,7 +226,7 @@ def test_ddp_bench_alternates_both_backends_in_one_job_and_compares_weights(tmp_
     pytest.importorskip("torch")
     out = tmp_path / "ddp.json"
     proc = _shoal("bench", "ddp", "--np", "2", "--archs", "small-cnn", "--settings", "16:4",
-                  "--trials", "3", "--steps", "1", "--out", str(out))
+                  "--trials", "3", "--steps", "1", "--breakdown", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-2000:]
     res = json.loads(out.read_text())["results"][0]
     (row,) = res["rows"]
@@ -235,6 +235,8 @@ def test_ddp_bench_alternates_both_backends_in_one_job_and_compares_weights(tmp_
     assert row["ratio_gloo_over_shoal"]["n"] == 3 and row["ratio_gloo_over_shoal"]["median"] > 0
     assert row["images_per_s"]["shoal"] > 0 and row["images_per_s"]["gloo"] > 0
     assert row["max_weight_diff"] < 1e-5  # same data, same model: the same training
+    assert set(row["breakdown_ms_over_local"]) == {
+        "shoal", "gloo", "shoal-no-buffer-sync", "gloo-no-buffer-sync"}
     from shoal.bench.ddp import section
     text = "\n".join(section({"results": [res]}))
     assert "| 2 | small-cnn | 16, 4 |" in text

@@ -40,6 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated image_size:per-worker-batch pairs")
     p.add_argument("--trials", type=int, default=15)
     p.add_argument("--steps", type=int, default=10, help="training steps per trial")
+    p.add_argument("--breakdown", action="store_true",
+                   help="also time, in the same turns, the model without DDP (computation "
+                        "only) and DDP over each backend without its buffer broadcast")
     p.add_argument("--out", default="benchmarks/ddp.json")
     p.add_argument("--timeout", type=float, default=3600)
 
@@ -59,15 +62,26 @@ def _model(torch: Any, arch: str) -> Any:
     return model
 
 
+#: ``--breakdown``'s further methods: (backend or None for no DDP, whether DDP broadcasts
+#: its buffers before each forward)
+BREAKDOWN = {"local": (None, False), "shoal-no-buffer-sync": ("shoal", False),
+             "gloo-no-buffer-sync": ("gloo", False)}
+
+
 def _one(torch: Any, dist: Any, groups: dict[str, Any], arch: str, size: int, batch: int,
          args: argparse.Namespace) -> dict[str, Any]:
-    """Both backends' trials of one model and setting; this rank's times and weights."""
+    """The methods' trials of one model and setting; this rank's times and weights."""
     from .common import alternate
     me = dist.get_rank()
+    methods = {name: (name, True) for name in BACKENDS}
+    if args.breakdown:
+        methods.update(BREAKDOWN)
     runs = {}
-    for name, group in groups.items():
-        model = torch.nn.parallel.DistributedDataParallel(_model(torch, arch),
-                                                          process_group=group)
+    for name, (backend, buffers) in methods.items():
+        model = _model(torch, arch)
+        if backend is not None:
+            model = torch.nn.parallel.DistributedDataParallel(
+                model, process_group=groups[backend], broadcast_buffers=buffers)
         runs[name] = (model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
     g = torch.Generator().manual_seed(me)
     x = torch.randn(batch, 3, size, size, generator=g)
@@ -95,6 +109,7 @@ def worker_main(argv: Sequence[str]) -> None:
     p.add_argument("--settings", required=True)
     for flag in ("--trials", "--steps"):
         p.add_argument(flag, type=int, required=True)
+    p.add_argument("--breakdown", action="store_true")
     p.add_argument("--json", required=True)
     args = p.parse_args(argv)
     import json
@@ -115,9 +130,12 @@ def worker_main(argv: Sequence[str]) -> None:
             every = shoal.allgather_object(mine)
             n = dist.get_world_size()
             worst = {name: np.max([r["times"][name] for r in every], axis=0)
-                     for name in BACKENDS}
+                     for name in every[0]["times"]}
             ratios = worst["gloo"] / worst["shoal"]
-            rows.append({"arch": arch, "image_size": size, "batch": batch, "np": n,
+            extra = {"breakdown_ms_over_local": {  # per trial, then the median over trials
+                name: float(np.median(worst[name] - worst["local"])) * 1e3
+                for name in worst if name != "local"}} if "local" in worst else {}
+            rows.append({**extra,"arch": arch, "image_size": size, "batch": batch, "np": n,
                          "step_s": {name: worst_over_ranks([r["times"][name] for r in every])
                                     for name in BACKENDS},
                          "images_per_s": {name: batch * n / float(np.median(worst[name]))
@@ -132,11 +150,20 @@ def worker_main(argv: Sequence[str]) -> None:
     shoal.shutdown()
 
 
+def _breakdown_cell(row: dict[str, Any]) -> str:
+    over = row.get("breakdown_ms_over_local")
+    if not over:
+        return "-"
+    return ", ".join(f"{over[name]:.1f} ms" for name in (
+        "shoal", "gloo", "shoal-no-buffer-sync", "gloo-no-buffer-sync"))
+
+
 def format_table(results: list[dict[str, Any]]) -> str:
     """One row per world size, model and setting."""
     lines = ["workers | model | image px, batch | DDP over shoal: images/s (step spread) | "
              "DDP over gloo: images/s (step spread) | gloo / shoal: median of trials "
-             "(spread) | max weight difference"]
+             "(spread) | max weight difference | per step over the model without DDP: "
+             "shoal, gloo; without the buffer broadcast: shoal, gloo"]
     for res in results:
         for r in res["rows"]:
             s, g = r["step_s"]["shoal"], r["step_s"]["gloo"]
@@ -145,7 +172,7 @@ def format_table(results: list[dict[str, Any]]) -> str:
                          f"{r['images_per_s']['shoal']:.0f} ({s['spread']:.0%}) | "
                          f"{r['images_per_s']['gloo']:.0f} ({g['spread']:.0%}) | "
                          f"{ratio['median']:.2f}x ({ratio['spread']:.0%}) | "
-                         f"{r['max_weight_diff']:.1e}")
+                         f"{r['max_weight_diff']:.1e} | {_breakdown_cell(r)}")
     return "\n".join(lines)
 
 
@@ -158,14 +185,17 @@ def section(data: dict[str, Any]) -> list[str]:
         f"({first['trials']} trials of {first['steps_per_trial']} steps, SGD with momentum, "
         f"1 thread per worker), so each pair of trials sees the same machine; per trial the "
         f"slowest rank; the ratio is the median over pairs of trials (> 1: DDP over shoal is "
-        f"faster).", format_table)
+        f"faster). With `--breakdown` the same turns also time the model without DDP "
+        f"(computation only) and DDP without its buffer broadcast before each forward "
+        f"(`broadcast_buffers=False`); the last column is each one's step time minus the "
+        f"computation's, per trial, median over trials.", format_table)
 
 
 def run(args: argparse.Namespace) -> int:
     """Run one job per world size through shoalrun and write the JSON results."""
     from .common import run_jobs
     job = ["--archs", args.archs, "--settings", args.settings, "--trials", str(args.trials),
-           "--steps", str(args.steps)]
+           "--steps", str(args.steps), *(["--breakdown"] if args.breakdown else [])]
     return run_jobs("ddp", args, job, format_table)
 
 
