@@ -62,6 +62,15 @@ def _model(torch: Any, arch: str) -> Any:
     return model
 
 
+def _buffer_sync(torch: Any, forward: bool) -> dict[str, bool]:
+    """DDP's argument for syncing buffers before each forward (renamed in torch 2.13)."""
+    import inspect
+    ddp = torch.nn.parallel.DistributedDataParallel
+    name = ("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(ddp).parameters
+            else "broadcast_buffers")
+    return {name: forward}
+
+
 #: ``--breakdown``'s further methods: (backend or None for no DDP, whether DDP broadcasts
 #: its buffers before each forward)
 BREAKDOWN = {"local": (None, False), "shoal-no-buffer-sync": ("shoal", False),
@@ -81,7 +90,7 @@ def _one(torch: Any, dist: Any, groups: dict[str, Any], arch: str, size: int, ba
         model = _model(torch, arch)
         if backend is not None:
             model = torch.nn.parallel.DistributedDataParallel(
-                model, process_group=groups[backend], broadcast_buffers=buffers)
+                model, process_group=groups[backend], **_buffer_sync(torch, buffers))
         runs[name] = (model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
     g = torch.Generator().manual_seed(me)
     x = torch.randn(batch, 3, size, size, generator=g)
@@ -187,8 +196,9 @@ def section(data: dict[str, Any]) -> list[str]:
         f"slowest rank; the ratio is the median over pairs of trials (> 1: DDP over shoal is "
         f"faster). With `--breakdown` the same turns also time the model without DDP "
         f"(computation only) and DDP without its buffer broadcast before each forward "
-        f"(`broadcast_buffers=False`); the last column is each one's step time minus the "
-        f"computation's, per trial, median over trials.", format_table)
+        f"(`forward_sync_buffers=False`; `broadcast_buffers=False` before torch 2.13); the "
+        f"last column is each one's step time minus the computation's, per trial, median "
+        f"over trials.", format_table)
 
 
 def run(args: argparse.Namespace) -> int:
