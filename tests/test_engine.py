@@ -178,3 +178,38 @@ def test_fused_requests_skip_the_cycle_wait() -> None:
     # a 3 s cycle: a plain request waits for it, a caller-fused one (a bucket) starts at once
     for fused_s, plain_s in run_ranks(_fused, 2, cycle_time_ms=3000, timeout=60):
         assert fused_s < 2.5 <= plain_s, (fused_s, plain_s)
+
+
+def _started_and_stopped(rank: int, folder: str) -> None:
+    import shoal
+    from shoal.common.api import start_timeline, stop_timeline
+    x = np.ones(100_000, np.float32)
+    shoal.allreduce(x, name="before")
+    shoal.allreduce(np.ones(4, np.float32), name="small")  # cached: the one-round path next
+    for i in (1, 2):  # start, stop, and again into another file
+        start_timeline(f"{folder}/run{i}-{{rank}}.json")
+        shoal.allreduce(x, name=f"during{i}")
+        shoal.allreduce(np.ones(4, np.float32), name="small")
+        shoal.broadcast(np.ones(3), 0, name=f"weights{i}")
+        stop_timeline()
+        shoal.allreduce(x, name=f"after{i}")
+    stop_timeline()  # none running: nothing to do
+
+
+def test_timeline_starts_and_stops_at_run_time(tmp_path) -> None:
+    run_ranks(_started_and_stopped, 2, str(tmp_path))
+    for i in (1, 2):
+        for rank in (0, 1):
+            events = json.loads((tmp_path / f"run{i}-{rank}.json").read_text())  # complete
+            tracks = {e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+            assert {f"during{i}", f"weights{i}", "small"} <= tracks
+            assert not {"before", f"after{i}", "during1" if i == 2 else "during2"} & tracks
+            assert any(e.get("name") == "ONE_ROUND_ALLREDUCE" for e in events)
+            assert any(e.get("name") == "MEMCPY_IN" for e in events)  # the general path's
+
+
+def test_start_timeline_before_init_is_an_error(tmp_path) -> None:
+    from shoal.common.api import start_timeline
+    from shoal.core.errors import ShoalError
+    with pytest.raises(ShoalError, match="init"):
+        start_timeline(str(tmp_path / "t.json"))

@@ -23,8 +23,6 @@ from shoal.core.build_info import (
     mpi_enabled,
     mpi_threads_supported,
     rocm_built,
-    start_timeline,
-    stop_timeline,
 )
 from shoal.core.process_sets import (
     ProcessSet,
@@ -33,6 +31,7 @@ from shoal.core.process_sets import (
     remove_process_set,
 )
 from shoal.core.reduction import Adasum, Average, Max, Min, Product, ReduceOp, Sum
+from shoal.core.timeline import start_timeline, stop_timeline
 
 __all__ = [
     "Adasum", "Average", "Max", "Min", "ProcessSet", "Product", "ReduceOp", "Sum",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from shoal.core import api, build_info
+from shoal.core import api, build_info, timeline
 from shoal.core import process_sets as ps_
 from shoal.core.reduction import ReduceOp
 
@@ -38,8 +38,8 @@ class HorovodBasics:
     rank = staticmethod(api.rank)
     local_rank = staticmethod(api.local_rank)
     cross_rank = staticmethod(api.cross_rank)
-    start_timeline = staticmethod(build_info.start_timeline)
-    stop_timeline = staticmethod(build_info.stop_timeline)
+    start_timeline = staticmethod(timeline.start_timeline)
+    stop_timeline = staticmethod(timeline.stop_timeline)
     mpi_threads_supported = staticmethod(build_info.mpi_threads_supported)
     mpi_enabled = staticmethod(build_info.mpi_enabled)
     mpi_built = staticmethod(build_info.mpi_built)

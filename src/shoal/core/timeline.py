@@ -10,6 +10,12 @@ shows every fused collective once.
 
 Events are written as they happen (the JSON array format, which both viewers accept even if
 the process dies before closing it); ``close()`` completes the JSON.
+
+A timeline runs from ``init`` with ``SHOAL_TIMELINE`` (``shoalrun --timeline-filename``), or
+between :func:`start_timeline` and :func:`stop_timeline` at run time, as Horovod's. Started at
+run time, the one-round path of small allreduces stays on (every rank must agree on it, and a
+timeline may be started on some ranks only) and shows each such allreduce as one
+``ONE_ROUND_ALLREDUCE`` span.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import threading
 import time
 from typing import IO, Any
 
-__all__ = ["Timeline"]
+__all__ = ["Timeline", "start_timeline", "stop_timeline"]
 
 
 class Timeline:
@@ -82,3 +88,31 @@ class Timeline:
                 self._file.write("\n]\n")
                 self._file.close()
                 self._file = None
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Write the timeline to ``file_path`` from now on (Horovod's ``start_timeline``): on
+    rank 0, or on every rank when the path holds ``{rank}``. A timeline already running is
+    completed and closed first. ``mark_cycles`` is Horovod's (it marks its background
+    thread's cycles); shoal's negotiation rounds show on every tensor's track anyway.
+
+    Raises:
+        ShoalError: shoal is not initialised.
+    """
+    from . import api
+
+    engine = api.communicator().engine
+    rank = engine.rank
+    engine.set_timeline(Timeline(file_path, rank)
+                        if rank == 0 or "{rank}" in file_path else None)
+
+
+def stop_timeline() -> None:
+    """Complete and close the timeline (Horovod's ``stop_timeline``); nothing if none runs.
+
+    Raises:
+        ShoalError: shoal is not initialised.
+    """
+    from . import api
+
+    api.communicator().engine.set_timeline(None)

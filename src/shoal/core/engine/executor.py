@@ -65,7 +65,8 @@ class Executor:
         self.buffers += 1
         what = f"allreduce of {first.name!r}" + (f" and {len(bucket) - 1} more fused"
                                                  if len(bucket) > 1 else "")
-        phases: dict[str, float] | None = {} if self.timeline else None
+        tl = self.timeline  # read once: start_timeline/stop_timeline may swap it meanwhile
+        phases: dict[str, float] | None = {} if tl else None
         for req in bucket:
             req.make_ready()
         start = time.perf_counter()
@@ -75,12 +76,12 @@ class Executor:
         end = time.perf_counter()
         for req in bucket:
             req.future.set_result(req.out if req.result is None else req.result)
-        if self.timeline is not None:
+        if tl is not None:
             nbytes = sum(r.array.nbytes for r in bucket)
             for req in bucket:
-                self._trace(req, t0, t1, start, end, phases, fusion_buffer=self.buffers,
+                self._trace(tl, req, t0, t1, start, end, phases, fusion_buffer=self.buffers,
                             tensors=len(bucket), bytes=nbytes)
-            self.timeline.span("fusion buffers", "ALLREDUCE", start, end,
+            tl.span("fusion buffers", "ALLREDUCE", start, end,
                                buffer=self.buffers, tensors=[r.name for r in bucket],
                                bytes=nbytes)
 
@@ -119,12 +120,12 @@ class Executor:
                                recv, out, what, [extra[r] for r in range(self.size)])
             result = (out, np.asarray(recv, np.int64))
         req.future.set_result(result)
-        if self.timeline is not None:
-            self._trace(req, t0, t1, start, time.perf_counter(), {})
-
-    def _trace(self, req: Request, t0: float, t1: float, start: float, end: float,
-               phases: dict[str, float] | None, **args: Any) -> None:
         tl = self.timeline
+        if tl is not None:
+            self._trace(tl, req, t0, t1, start, time.perf_counter(), {})
+
+    def _trace(self, tl: Timeline, req: Request, t0: float, t1: float, start: float,
+               end: float, phases: dict[str, float] | None, **args: Any) -> None:
         tl.span(req.name, "QUEUE", req.enqueued, max(req.enqueued, t0))
         tl.span(req.name, "NEGOTIATE", t0, t1, round=self.round)
         tl.collective(req.name, start, end, phases or {}, kind=req.kind.value, **args)

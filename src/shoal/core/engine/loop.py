@@ -83,6 +83,15 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, name="shoal-engine", daemon=True)
         self._thread.start()
 
+    def set_timeline(self, timeline: Timeline | None) -> None:
+        """Write the timeline to ``timeline`` from now on (None: stop); the one written
+        before is completed and closed. Collectives already running finish in the old one
+        or in none."""
+        old, self.timeline = self.timeline, timeline
+        self.executor.timeline = timeline
+        if old is not None and old is not timeline:
+            old.close()
+
     @property
     def small_bytes(self) -> int:
         """The largest allreduce the one-round path takes here (0: none)."""
@@ -257,11 +266,15 @@ class Engine:
         try:
             if self._pending or self._broken is not None or self._stopping:
                 return False
+            tl, start = self.timeline, time.perf_counter()
             blobs = self.small.run(name, desc, src, dst, op, dtype, self.rounds + 1)
             if blobs is NOT_SENT:
                 return False
             self.rounds += 1
             if blobs is None:
+                if tl is not None:  # negotiation and data in one round: one span
+                    tl.span(name, "ONE_ROUND_ALLREDUCE", start, time.perf_counter(),
+                            round=self.rounds, bytes=src.nbytes)
                 return True
             future = self._adopt(name, src, dst, dtype, desc, op, blobs)
         except BaseException as exc:
@@ -282,7 +295,7 @@ class Engine:
                 raise ValueError(f"rank {self.rank}: a collective named {name!r} is already "
                                  f"in flight; wait for it or use another name")
             self._pending[name] = req
-        now = time.perf_counter()  # (for a timeline, which the small path never runs with)
+        now = time.perf_counter()
         self._settle(blobs, [req], now, now)
         return req.future
 
