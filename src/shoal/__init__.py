@@ -27,7 +27,7 @@ _LAZY = {
                  "size", "timeline_range", "world"),
     "core.errors": ("CollectiveMismatchError", "PeerLostError", "RendezvousError",
                     "ShoalError", "ShoalTimeoutError"),
-    "core.reduction": ("Average", "Max", "Min", "Product", "ReduceOp", "Sum"),
+    "core.reduction": ("Adasum", "Average", "Max", "Min", "Product", "ReduceOp", "Sum"),
     "core.process_sets": ("ProcessSet", "add_process_set", "global_process_set",
                           "remove_process_set"),
 }
@@ -50,6 +50,7 @@ def __dir__() -> list[str]:
 __version__ = "0.1.0"
 
 __all__ = [
+    "Adasum",
     "Average",
     "CollectiveMismatchError",
     "Handle",

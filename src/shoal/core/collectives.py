@@ -16,9 +16,10 @@ from typing import Any
 
 import numpy as np
 
+from .adasum import adasum_tree
 from .compression import Codec, Compression
 from .engine import Engine, Kind, Request
-from .reduction import ReduceOp, check_array, check_rows, scale
+from .reduction import ReduceOp, check_array, check_rows, narrow, scale, widen
 
 __all__ = ["Collectives", "Handle"]
 
@@ -166,6 +167,9 @@ class Collectives:
         copy, so the caller's thread never waits for the device.
         """
         op = ReduceOp(op)
+        if op == ReduceOp.ADASUM:
+            return self._adasum_async(array, name, out, compression, bf16, prescale_factor,
+                                      postscale_factor, ready, _wake)
         name, dtype, desc, out, src, dst = self._allreduce_args(array, op, name, out,
                                                                 compression, bf16)
         if prescale_factor != 1.0:
@@ -180,6 +184,49 @@ class Collectives:
         req = Request(Kind.ALLREDUCE, name, src, dst, dtype, desc, op=op, codec=compression,
                       fused=fused, ready=ready)
         return self._chain(req, out, _wake, _postscale(dst, postscale_factor, dtype))
+
+    def _adasum_async(self, array: np.ndarray, name: str | None, out: np.ndarray | None,
+                      compression: Codec, bf16: bool, prescale_factor: float,
+                      postscale_factor: float, ready: Callable[[], None] | None,
+                      wake: bool) -> Handle:
+        """``allreduce(op=Adasum)`` (:mod:`shoal.core.adasum`): every rank's tensor gathered,
+        then the same pairwise tree computed on every rank."""
+        rank = self.engine.rank
+        given, name = name, self._auto_name("allreduce", name)
+        what = f"allreduce tensor {name!r}"
+        dtype = check_array(array, what, rank, None, bf16)
+        if dtype not in ("float16", "bfloat16", "float32", "float64"):
+            raise TypeError(f"rank {rank}: {what} has dtype {dtype}; op Adasum combines "
+                            f"gradients by their dot products and needs a floating-point "
+                            f"tensor")
+        if compression is not Compression.none:
+            raise ValueError(f"rank {rank}: {what}: op Adasum takes no compression (its dot "
+                             f"products need the gradients as they are); drop compression=")
+        if out is None:
+            out = np.empty_like(array)
+        elif out.shape != array.shape or out.dtype != array.dtype or not out.flags.c_contiguous:
+            raise ValueError(f"rank {rank}: output for {name!r} must be a C-contiguous "
+                             f"{array.dtype} array of shape {array.shape}")
+        src = _storage(array, dtype)
+        if prescale_factor != 1.0:  # into a copy, once the input is ready
+            source, src = src, np.empty_like(src)
+
+            def prescale() -> None:
+                np.copyto(src, source)
+                scale(src, prescale_factor, dtype)
+            ready = _when_ready(ready, prescale)
+        rows = src.reshape(1, -1)
+        req = Request(Kind.ALLGATHER, self._take_name("allreduce", given), rows, None, dtype,
+                      f"allreduce shape={_shape(array)} dtype={dtype} op=Adasum",
+                      extra=1, trailing=(rows.shape[1],), ready=ready)
+        dst = _storage(out, dtype)
+
+        def combine(gathered: np.ndarray) -> np.ndarray:
+            result = adasum_tree(widen(gathered, dtype) if dtype == "bfloat16" else gathered)
+            narrow(result.astype(np.float32) if dtype == "bfloat16" else result, dst, dtype)
+            scale(dst, postscale_factor, dtype)
+            return out
+        return self._chain(req, None, wake, combine)
 
     def _allreduce_args(self, array: np.ndarray, op: ReduceOp, name: str | None,
                         out: np.ndarray | None, compression: Codec, bf16: bool
@@ -216,8 +263,9 @@ class Collectives:
 
         Up to ``SHOAL_SMALL_MESSAGE_BYTES`` on one host, a name seen before completes in
         one synchronisation round (:mod:`shoal.core.engine.small`)."""
-        if compression is Compression.none and self.engine.small_bytes:
-            op = op if type(op) is ReduceOp else ReduceOp(op)
+        op = op if type(op) is ReduceOp else ReduceOp(op)
+        if compression is Compression.none and self.engine.small_bytes and \
+                op != ReduceOp.ADASUM:
             args = self._allreduce_args(array, op, name, out, compression, bf16)
             name, dtype, desc, out, src, dst = args
             if self.engine.allreduce_small(name, desc, src, dst, op, dtype):

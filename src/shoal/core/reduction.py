@@ -107,7 +107,9 @@ def check_array(array: object, what: str, rank: int, op: ReduceOp | None = None,
                         f"supported: {', '.join(SUPPORTED_DTYPES)}")
     if op is not None:
         if op == ReduceOp.ADASUM:
-            raise TypeError(f"rank {rank}: {what}: op Adasum is not supported; use Average or Sum")
+            raise TypeError(f"rank {rank}: {what}: op Adasum combines one tensor at a time "
+                            f"(allreduce, allreduce_async), not in this collective; use "
+                            f"Average or Sum here")
         if dtype == "bool" and op in (ReduceOp.SUM, ReduceOp.AVERAGE):
             raise TypeError(f"rank {rank}: {what} is bool; only Min (and), Max (or), "
                             f"Product (and) and the bitwise ops make sense for it, not "

@@ -80,8 +80,6 @@ def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None,
     engine; ``IndexedSlices`` entries are reduced as Horovod does (two allgathers).
     ``device_*`` and ``ignore_name_scope`` are accepted for Horovod compatibility."""
     op = resolve_op(average, op)
-    if op == ReduceOp.ADASUM:
-        raise NotImplementedError("op Adasum is not supported; use Average or Sum")
     tensors = list(tensors)
     sparse = {i: _sparse(t, op, prescale_factor, postscale_factor, process_set)
               for i, t in enumerate(tensors) if isinstance(t, tf.IndexedSlices)}
