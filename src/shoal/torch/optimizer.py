@@ -129,10 +129,19 @@ class DistributedOptimizer(Wrapper):
         """An instance of a subclass of both this class and ``type(optimizer)`` (as Horovod's
         is: ``isinstance(hvd.DistributedOptimizer(SGD(...)), SGD)``); ``sharded=True``: a
         :class:`~shoal.torch.sharded.ShardedOptimizer` (ZeRO stages 1 and 2: each rank keeps
-        and steps 1/N of the optimizer state)."""
+        and steps 1/N of the optimizer state); ``op=Adasum``: a
+        :class:`~shoal.torch.adasum.AdasumOptimizer` (Horovod's delta optimizer)."""
         if isinstance(optimizer, Wrapper):
             raise TypeError(f"the optimizer is wrapped already ({optimizer!r}); wrap the plain "
                             f"optimizer once")
+        if op == ReduceOp.ADASUM:  # Horovod's delta optimizer
+            if sharded or gradient_predivide_factor != 1.0 or sparse_as_dense:
+                raise ValueError("DistributedOptimizer(op=Adasum) combines the ranks' steps; "
+                                 "it takes no sharded, gradient_predivide_factor or "
+                                 "sparse_as_dense")
+            from .adasum import AdasumOptimizer
+            return AdasumOptimizer(optimizer, named_parameters, compression,
+                                   backward_passes_per_step, process_set)
         if not sharded:
             return super().__new__(_distributed_class(cls, type(optimizer)))
         unsupported = [what for what, bad in (
@@ -154,8 +163,6 @@ class DistributedOptimizer(Wrapper):
                  num_groups: int = 0, groups: Any = None, sparse_as_dense: bool = False,
                  process_set: Any = None, bucket_bytes: int | None = None,
                  sharded: bool = False) -> None:
-        if op == ReduceOp.ADASUM:
-            raise NotImplementedError("op=Adasum is not supported by shoal; use Average or Sum")
         if backward_passes_per_step < 1:
             raise ValueError("backward_passes_per_step must be >= 1")
         check_predivide(op, gradient_predivide_factor)
