@@ -4,8 +4,10 @@ side of ``shoalrun``'s elastic mode.
 Horovod's model (``horovod.common.elastic``), with its names and meanings:
 
 * a :class:`State` holds what training needs to continue; ``commit()`` saves a copy (and
-  checks whether hosts were added or removed), ``restore()`` goes back to the last commit,
-  ``sync()`` sends rank 0's state to every rank;
+  checks whether hosts were added or removed: it drains the state's queue of notices,
+  ``_host_messages``, which a daemon thread fills from the driver's store,
+  :mod:`.host_updates`), ``restore()`` goes back to the last commit, ``sync()`` sends rank 0's
+  state to every rank, and ``reset()`` (for subclasses) runs after every reset, before it;
 * :func:`run_fn` wraps the training function: when a peer is lost mid-step
   (:class:`~shoal.PeerLostError`, a :class:`ShoalError` from inside a collective) the state is
   restored to the last commit; when hosts changed (:class:`HostsUpdatedInterrupt`, raised by
@@ -28,6 +30,8 @@ import functools
 import json
 import logging
 import os
+import queue
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,11 +40,12 @@ from typing import Any, TypeVar
 from . import api
 from .auth import secret_bytes
 from .errors import CollectiveMismatchError, ShoalError, ShoalTimeoutError
+from .host_updates import HostUpdateResult, Notifier, update_result
 from .runtime import RUNTIME
 
-__all__ = ["ELASTIC_ID_VAR", "WORLD_KEY", "HostsUpdatedInterrupt", "ObjectState", "State",
-           "WorldPlan", "elastic_job", "join_world", "reset", "run_fn", "world_broken",
-           "world_version"]
+__all__ = ["ELASTIC_ID_VAR", "WORLD_KEY", "HostUpdateResult", "HostsUpdatedInterrupt",
+           "ObjectState", "State", "WorldPlan", "elastic_job", "join_world", "reset", "run_fn",
+           "world_broken", "world_version"]
 
 #: The worker's id in an elastic job (``host:slot``); set by the elastic driver.
 ELASTIC_ID_VAR = "SHOAL_ELASTIC_ID"
@@ -48,6 +53,8 @@ ELASTIC_ID_VAR = "SHOAL_ELASTIC_ID"
 WORLD_KEY = "elastic/world"
 _F = TypeVar("_F", bound=Callable[..., Any])
 _log = logging.getLogger("shoal.elastic")
+_store_lock = threading.RLock()  # one store client serves the training thread and the notifier
+_joined: tuple[str, ...] = ()  # the members of the world this worker last joined
 
 
 class HostsUpdatedInterrupt(RuntimeError):  # noqa: N818 - Horovod's name
@@ -87,17 +94,19 @@ def _store() -> Any:
     every step must not open a connection each time); a new one after a failure."""
     from .rendezvous import StoreClient
 
-    client = RUNTIME.elastic_store
-    if client is None:
-        key = secret_bytes(os.environ["SHOAL_SECRET"])
-        client = RUNTIME.elastic_store = StoreClient(
-            os.environ["SHOAL_RENDEZVOUS_ADDR"], int(os.environ["SHOAL_RENDEZVOUS_PORT"]), key,
-            timeout=10.0, connect_timeout=10.0)
-    return client
+    with _store_lock:
+        client = RUNTIME.elastic_store
+        if client is None:
+            key = secret_bytes(os.environ["SHOAL_SECRET"])
+            client = RUNTIME.elastic_store = StoreClient(
+                os.environ["SHOAL_RENDEZVOUS_ADDR"], int(os.environ["SHOAL_RENDEZVOUS_PORT"]),
+                key, timeout=10.0, connect_timeout=10.0)
+        return client
 
 
 def _drop_store() -> None:
-    client, RUNTIME.elastic_store = RUNTIME.elastic_store, None
+    with _store_lock:
+        client, RUNTIME.elastic_store = RUNTIME.elastic_store, None
     if client is not None:
         with contextlib.suppress(Exception):
             client.close()
@@ -105,7 +114,8 @@ def _drop_store() -> None:
 
 def _read_plan(store: Any) -> WorldPlan | None:
     try:
-        data = store.get(WORLD_KEY, 0.5)
+        with _store_lock:
+            data = store.get(WORLD_KEY, 0.5)
     except (ShoalTimeoutError, TimeoutError, KeyError):
         return None
     except Exception:  # the connection broke: the next call connects again
@@ -154,8 +164,24 @@ def join_world(timeout: float | None = None) -> WorldPlan:
     api.init(rank=rank, size=len(plan.members), local_rank=local.index(rank),
              local_size=len(local), hostname=host, job_id=f"{base}-w{plan.version}",
              store_prefix=f"elastic/w{plan.version}", serve_store=False)
-    RUNTIME.elastic_version = plan.version
+    global _joined
+    if not _joined:
+        _export_horovod_env(plan, rank, local.index(rank), len(local))
+    RUNTIME.elastic_version, _joined = plan.version, plan.members
     return plan
+
+
+def _export_horovod_env(plan: WorldPlan, rank: int, local_rank: int, local_size: int) -> None:
+    """The ``HOROVOD_*`` variables horovodrun gives a worker, as of the first world it joins
+    (Horovod sets them when it starts a worker and never changes them; scripts read
+    ``HOROVOD_RANK`` as the rank a worker started with)."""
+    hosts = list(dict.fromkeys(plan.hosts))
+    host = plan.hosts[rank]
+    os.environ.update({
+        "HOROVOD_HOSTNAME": host, "HOROVOD_RANK": str(rank),
+        "HOROVOD_SIZE": str(len(plan.members)), "HOROVOD_LOCAL_RANK": str(local_rank),
+        "HOROVOD_LOCAL_SIZE": str(local_size), "HOROVOD_CROSS_RANK": str(hosts.index(host)),
+        "HOROVOD_CROSS_SIZE": str(len(hosts))})
 
 
 def reset() -> WorldPlan:
@@ -171,6 +197,17 @@ def latest_plan() -> WorldPlan | None:
     return _read_plan(_store())
 
 
+def _newer_world() -> tuple[int, HostUpdateResult] | None:
+    plan = latest_plan()
+    if plan is None or plan.version <= RUNTIME.elastic_version:
+        return None
+    return plan.version, update_result(_joined, plan.members, plan.added)
+
+
+#: queues each newer world on the elastic states of this worker (Horovod's notifications)
+NOTIFIER = Notifier(_newer_world)
+
+
 class State:
     """What training needs to continue after a reset; see the module docstring.
 
@@ -181,15 +218,31 @@ class State:
     def __init__(self, bcast_object: Callable[[Any], Any], get_rank: Callable[[], int]) -> None:
         self._bcast_object, self._rank = bcast_object, get_rank
         self._reset_callbacks: list[Callable[[], None]] = []
+        # Horovod's: the driver's notices of changed hosts, (timestamp, HostUpdateResult)
+        self._host_messages: queue.Queue[tuple[int, HostUpdateResult]] = queue.Queue()
+        self._last_updated_timestamp = 0
+        if elastic_job():
+            NOTIFIER.register(self)
 
     def register_reset_callbacks(self, callbacks: list[Callable[[], None]]) -> None:
         """Functions to call after every reset (to rescale the learning rate, say)."""
         self._reset_callbacks.extend(callbacks)
 
     def on_reset(self) -> None:
-        """Run the reset callbacks (the reset loop calls this after joining a new world)."""
+        """After joining a new world (the reset loop calls this): forget the notices of the
+        old one, :meth:`reset`, then the reset callbacks."""
+        self._host_messages = queue.Queue()
+        self.reset()
         for callback in self._reset_callbacks:
             callback()
+
+    def on_hosts_updated(self, timestamp: int, update_res: HostUpdateResult) -> None:
+        """Queue a notice that the hosts changed (the next commit raises
+        :class:`HostsUpdatedInterrupt`)."""
+        self._host_messages.put((timestamp, update_res))
+
+    def reset(self) -> None:
+        """Reset objects after a reset event, before the sync (subclasses override it)."""
 
     def commit(self) -> None:
         """Save the state, then check for added or removed hosts (which raises
@@ -198,16 +251,21 @@ class State:
         self.check_host_updates()
 
     def check_host_updates(self) -> None:
-        """Raise :class:`HostsUpdatedInterrupt` on every rank when the driver has published a
-        newer world; all ranks agree (rank 0's view is broadcast)."""
-        newer = None
-        if self._rank() == 0:  # rank 0 asks the driver; the others take its answer
-            plan = latest_plan()
-            if plan is not None and plan.version > RUNTIME.elastic_version:
-                newer = (plan.version, plan.added)
-        newer = self._bcast_object(newer)
-        if newer is not None:
-            raise HostsUpdatedInterrupt(skip_sync=not newer[1])
+        """Raise :class:`HostsUpdatedInterrupt` on every rank when a notice of changed hosts
+        newer than the last one acted on is queued; all ranks agree (rank 0's view is
+        broadcast). A change that only removed hosts skips the sync that follows."""
+        if self._rank() == 0 and elastic_job():
+            NOTIFIER.poll()  # rank 0 asks the driver now, not at the notifier's next poll
+        prev = last = self._last_updated_timestamp
+        update = HostUpdateResult.no_update
+        while not self._host_messages.empty():
+            timestamp, result = self._host_messages.get()
+            if timestamp > last:
+                last, update = timestamp, update | result
+        prev, self._last_updated_timestamp, update = self._bcast_object(
+            (prev, last, int(update)))
+        if self._last_updated_timestamp > prev:
+            raise HostsUpdatedInterrupt(skip_sync=update == HostUpdateResult.removed)
 
     def save(self) -> None:
         """Keep a copy of the state (in memory)."""

@@ -15,66 +15,94 @@ __all__ = ["ElasticSampler"]
 
 
 class ElasticSampler(torch.utils.data.Sampler[int]):
-    """A distributed sampler that survives resets: it remembers which indices of the epoch
-    were processed (``record_batch``), and after a reset shares the remaining ones out over
-    the new set of workers, so each sample of an epoch is processed once.
+    """A distributed sampler that survives resets, as Horovod's: it counts the samples of the
+    epoch processed by all workers together (``processed_num``, advanced by ``record_batch``),
+    and after a reset shares the rest of the epoch's order out over the new set of workers,
+    so each sample of an epoch is processed once.
 
-    Like Horovod's, every rank's shard of the remaining indices is padded (by wrapping) to
-    the same length, so the ranks run the same number of steps.
+    The epoch's order is the same on every worker (shuffled by ``seed + epoch``); worker r of
+    n takes every n-th remaining index from the r-th, so the first ``k`` batches of every
+    worker together are the first ``k * batch_size * n`` indices of the order, and a count
+    says exactly which samples are done. Every shard is padded (by wrapping) to the same
+    length, so the workers run the same number of steps. Call ``set_epoch`` at the *end* of
+    an epoch: it clears the count.
     """
 
     def __init__(self, dataset: Sized, shuffle: bool = True, seed: int = 0) -> None:
         self.dataset, self.shuffle, self.seed = dataset, shuffle, seed
         self.epoch = 0
-        self.processed_indices: set[int] = set()
+        self.processed_num = 0
+        self.num_replicas, self.rank = 1, 0
+        self.remaining_indices: list[int] = []
+        self.num_samples = self.total_size = 0
+        self._padded_order: list[int] | None = None
         self.reset()
 
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch``: nothing processed yet."""
         self.epoch = epoch
-        self.processed_indices = set()
+        self.processed_num = 0
         self.reset()
 
     def record_batch(self, batch_idx: int, batch_size: int) -> None:
-        """Mark the ``batch_idx``-th batch of every rank's current shard as processed: the
-        ranks step together, so when this rank has stepped on its batch, every rank's batch
-        went into that step (a worker lost right after it is not processed twice)."""
-        start = batch_idx * batch_size
-        for shard in self.shards:
-            self.processed_indices.update(shard[start:start + batch_size])
+        """Count one more batch of ``batch_size`` on every worker as processed: the workers
+        step together, so when this one has stepped on its batch, every worker's batch went
+        into that step. (``batch_idx`` is Horovod's argument; the count does not need it.)"""
+        self.processed_num += batch_size * self.num_replicas
 
-    def record_indices(self, indices: list[int]) -> None:
-        """Mark ``indices`` (dataset indices) as processed."""
-        self.processed_indices.update(indices)
+    @property
+    def processed_indices(self) -> list[int]:
+        """The dataset indices processed so far this epoch (across all workers)."""
+        return self._order()[:self.processed_num]
 
     def get_indices(self, batch_idx: int, batch_size: int) -> list[int]:
-        """The dataset indices of the ``batch_idx``-th batch of this rank's shard."""
+        """The dataset indices of the ``batch_idx``-th batch of this worker's shard."""
         start = batch_idx * batch_size
         return self.indices[start:start + batch_size]
 
+    @property
+    def shards(self) -> list[list[int]]:
+        """Every worker's shard of the rest of the epoch, in rank order."""
+        padded = self._padded()
+        return [padded[r:self.total_size:self.num_replicas] for r in range(self.num_replicas)]
+
+    @property
+    def indices(self) -> list[int]:
+        """This worker's shard of the rest of the epoch."""
+        return self._padded()[self.rank:self.total_size:self.num_replicas]
+
     def state_dict(self) -> dict[str, Any]:
-        """Epoch and processed indices (the state a commit keeps)."""
-        return {"epoch": self.epoch, "processed_indices": sorted(self.processed_indices)}
+        """Epoch and processed count (Horovod's keys: what a commit keeps)."""
+        return {"epoch": self.epoch, "processed_num": self.processed_num}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Go back to ``state`` and re-shard the rest of the epoch."""
         self.epoch = int(state["epoch"])
-        self.processed_indices = set(state["processed_indices"])
+        self.processed_num = int(state["processed_num"])
         self.reset()
 
     def reset(self) -> None:
-        """Share the epoch's unprocessed indices out over the current workers."""
-        rank, size = (api.rank(), api.size()) if api.is_initialized() else (0, 1)
+        """Share the rest of the epoch out over the current workers."""
+        self.num_replicas, self.rank = ((api.size(), api.rank()) if api.is_initialized()
+                                        else (1, 0))
+        self.remaining_indices = self._order()[self.processed_num:]
+        self.num_samples = math.ceil(len(self.remaining_indices) / self.num_replicas)
+        self.total_size = self.num_samples * self.num_replicas
+        self._padded_order = None
+
+    def _order(self) -> list[int]:
         order = list(range(len(self.dataset)))
         if self.shuffle:
             random.Random(self.seed + self.epoch).shuffle(order)
-        remaining = [i for i in order if i not in self.processed_indices]
-        self.num_samples = math.ceil(len(remaining) / size) if remaining else 0
-        total = self.num_samples * size
-        padded = (remaining * math.ceil(total / len(remaining)))[:total] if remaining else []
-        self.shards = [padded[r:total:size] for r in range(size)]
-        self.indices = self.shards[rank]
-        self.remaining_indices = remaining
+        return order
+
+    def _padded(self) -> list[int]:
+        """The rest of the epoch's order, wrapped to ``total_size`` (made once per reset)."""
+        if self._padded_order is None:
+            remaining = self.remaining_indices
+            self._padded_order = ((remaining * math.ceil(self.total_size / len(remaining)))
+                                  [:self.total_size] if remaining else [])
+        return self._padded_order
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.indices)

@@ -67,19 +67,13 @@ class TorchState(ObjectState):
         super().restore()
 
     def sync(self) -> None:
-        """Rank 0's model, optimizer and attributes everywhere; samplers merged, then
-        re-sharded over the current workers."""
+        """Rank 0's model, optimizer, samplers and attributes everywhere (a sampler then
+        shares the rest of its epoch out over the current workers)."""
         if self.model is not None:
             broadcast_parameters(self.model.state_dict(), root_rank=0)
         if self.optimizer is not None:
             broadcast_optimizer_state(self.optimizer, root_rank=0, model=self.model)
-        for name, obj in self._stateful.items():
-            states = api.communicator().allgather_object(obj.state_dict(),
-                                                         name=f"shoal.elastic.{name}")
-            merged = states[0]
-            if isinstance(merged, dict) and "processed_indices" in merged:
-                done = set().union(*(s["processed_indices"] for s in states))
-                merged = {**merged, "processed_indices": sorted(done)}
-            obj.load_state_dict(merged)
+        for obj in self._stateful.values():
+            obj.load_state_dict(self._bcast_object(obj.state_dict()))
         super().sync()
         self._save_objects()
