@@ -69,6 +69,16 @@ def _storage(array: np.ndarray, dtype: str) -> np.ndarray:
     return flat.view(np.uint16) if dtype == "bfloat16" else flat
 
 
+def _output(array: np.ndarray, out: np.ndarray | None, name: str, rank: int) -> np.ndarray:
+    """An allreduce's output: ``out`` once checked to match ``array``, else a new array."""
+    if out is None:
+        return np.empty_like(array)
+    if out.shape != array.shape or out.dtype != array.dtype or not out.flags.c_contiguous:
+        raise ValueError(f"rank {rank}: output for {name!r} must be a C-contiguous "
+                         f"{array.dtype} array of shape {array.shape}")
+    return out
+
+
 def _shape(array: np.ndarray) -> str:
     return "(" + ", ".join(map(str, array.shape)) + ")"
 
@@ -202,11 +212,7 @@ class Collectives:
         if compression is not Compression.none:
             raise ValueError(f"rank {rank}: {what}: op Adasum takes no compression (its dot "
                              f"products need the gradients as they are); drop compression=")
-        if out is None:
-            out = np.empty_like(array)
-        elif out.shape != array.shape or out.dtype != array.dtype or not out.flags.c_contiguous:
-            raise ValueError(f"rank {rank}: output for {name!r} must be a C-contiguous "
-                             f"{array.dtype} array of shape {array.shape}")
+        out = _output(array, out, name, rank)
         src = _storage(array, dtype)
         if prescale_factor != 1.0:  # into a copy, once the input is ready
             source, src = src, np.empty_like(src)
@@ -247,11 +253,7 @@ class Collectives:
                 f"allreduce shape={_shape(array)} dtype={dtype} op={op.name.capitalize()} "
                 f"compression={compression.name}")
         dtype, desc = checked
-        if out is None:
-            out = np.empty_like(array)
-        elif out.shape != array.shape or out.dtype != array.dtype or not out.flags.c_contiguous:
-            raise ValueError(f"rank {rank}: output for {name!r} must be a C-contiguous "
-                             f"{array.dtype} array of shape {array.shape}")
+        out = _output(array, out, name, rank)
         src, dst = _storage(array, dtype), _storage(out, dtype)
         return self._take_name("allreduce", given), dtype, desc, out, src, dst
 

@@ -77,7 +77,7 @@ class AdasumOptimizer(Wrapper):
                     process_set=self.process_set)))
             for p, wire, ctx, handle in handles:
                 synchronize(handle)
-                p.copy_(self._start[p] + self._compression.decompress(wire, ctx))
+                torch.add(self._start[p], self._compression.decompress(wire, ctx), out=p)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
