@@ -130,13 +130,43 @@ def test_timeline_is_chrome_trace_with_every_phase(tmp_path) -> None:
     for rank in (0, 1):
         events = json.loads((tmp_path / f"trace-{rank}.json").read_text())
         tracks = {e["args"]["name"]: e["tid"] for e in events if e.get("name") == "thread_name"}
-        assert {"grad0", "grad3", "weights", "fusion buffers"} <= set(tracks)
-        phases = {e["name"] for e in events if e.get("tid") == tracks["grad2"]}
-        assert {"QUEUE", "NEGOTIATE", "ALLREDUCE", "MEMCPY_IN", "REDUCE", "MEMCPY_OUT"} <= phases
+        # Horovod's names: <kind>.<name> tracks, NEGOTIATE_<KIND>, the kind's span
+        assert {"allreduce.grad0", "allreduce.grad3", "broadcast.weights",
+                "fusion buffers"} <= set(tracks)
+        phases = {e["name"] for e in events if e.get("tid") == tracks["allreduce.grad2"]}
+        assert {"QUEUE", "NEGOTIATE_ALLREDUCE", "ALLREDUCE", "MEMCPY_IN", "REDUCE",
+                "MEMCPY_OUT"} <= phases
+        assert {"QUEUE", "NEGOTIATE_BROADCAST", "BROADCAST"} <= {
+            e["name"] for e in events if e.get("tid") == tracks["broadcast.weights"]}
         fused = [e for e in events if e.get("name") == "ALLREDUCE" and
-                 e.get("tid") == tracks["grad0"]]
+                 e.get("tid") == tracks["allreduce.grad0"]]
         assert fused and "fusion_buffer" in fused[0]["args"]
         assert all(e["dur"] >= 0 for e in events if e.get("ph") == "X")
+        assert not any(e.get("name") == "CYCLE_START" for e in events)  # not asked for
+
+
+def _traced_horovod_env(rank: int, path: str) -> None:
+    import os
+
+    import shoal
+    from harness import INIT_ARGS
+    shoal.shutdown()  # the harness's job, joined again with Horovod's variables set
+    os.environ.update(HOROVOD_TIMELINE=path, HOROVOD_TIMELINE_MARK_CYCLES="1")
+    try:
+        shoal.init(**INIT_ARGS)
+        shoal.allreduce(np.ones(3, np.float32), name="test_allreduce")
+    finally:
+        del os.environ["HOROVOD_TIMELINE"], os.environ["HOROVOD_TIMELINE_MARK_CYCLES"]
+
+
+def test_timeline_from_horovods_variables_marks_cycles(tmp_path) -> None:
+    path = str(tmp_path / "hvd.json")
+    run_ranks(_traced_horovod_env, 2, path)
+    events = json.loads((tmp_path / "hvd.json").read_text())  # rank 0 writes it
+    tracks = {e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+    assert "allreduce.test_allreduce" in tracks
+    assert any(e.get("name") == "CYCLE_START" and e.get("ph") == "i" for e in events)
+    assert any(e.get("name") in ("NEGOTIATE_ALLREDUCE", "ONE_ROUND_ALLREDUCE") for e in events)
 
 
 def _big_negotiation(rank: int) -> list[int]:
@@ -187,7 +217,7 @@ def _started_and_stopped(rank: int, folder: str) -> None:
     shoal.allreduce(x, name="before")
     shoal.allreduce(np.ones(4, np.float32), name="small")  # cached: the one-round path next
     for i in (1, 2):  # start, stop, and again into another file
-        start_timeline(f"{folder}/run{i}-{{rank}}.json")
+        start_timeline(f"{folder}/run{i}-{{rank}}.json", mark_cycles=i == 2)
         shoal.allreduce(x, name=f"during{i}")
         shoal.allreduce(np.ones(4, np.float32), name="small")
         shoal.broadcast(np.ones(3), 0, name=f"weights{i}")
@@ -202,8 +232,10 @@ def test_timeline_starts_and_stops_at_run_time(tmp_path) -> None:
         for rank in (0, 1):
             events = json.loads((tmp_path / f"run{i}-{rank}.json").read_text())  # complete
             tracks = {e["args"]["name"] for e in events if e.get("name") == "thread_name"}
-            assert {f"during{i}", f"weights{i}", "small"} <= tracks
-            assert not {"before", f"after{i}", "during1" if i == 2 else "during2"} & tracks
+            assert {f"allreduce.during{i}", f"broadcast.weights{i}", "allreduce.small"} <= tracks
+            assert not {"allreduce.before", f"allreduce.after{i}",
+                        "allreduce.during1" if i == 2 else "allreduce.during2"} & tracks
+            assert any(e.get("name") == "CYCLE_START" for e in events) == (i == 2)
             assert any(e.get("name") == "ONE_ROUND_ALLREDUCE" for e in events)
             assert any(e.get("name") == "MEMCPY_IN" for e in events)  # the general path's
 

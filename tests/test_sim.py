@@ -177,7 +177,7 @@ def _write_trace(path: str, close: bool = True) -> None:
         base = t0 + step * 0.1
         for name, off in zip(names, offsets, strict=True):
             late = 0.002 if step == 0 and off > 0 else 0.0
-            tl.span(name, "QUEUE", base + off + late, base + 0.006)
+            tl.span(tl.track("allreduce", name), "QUEUE", base + off + late, base + 0.006)
         tl.span("fusion buffers", "ALLREDUCE", base + 0.006, base + 0.007, buffer=step + 1,
                 tensors=names, bytes=4000 + 40000 + 123456)
     if close:

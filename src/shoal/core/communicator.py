@@ -126,7 +126,8 @@ class Communicator(Collectives):
         self._ordinals: dict[str, int] = {}
         self.key = next(_keys)  # this process's handle on the communicator (never a name)
         self._closed = False
-        timeline = Timeline(cfg.timeline, world.rank) if cfg.timeline and (
+        timeline = Timeline(cfg.timeline, world.rank, cfg.timeline_mark_cycles) \
+            if cfg.timeline and (
             world.rank == 0 or "{rank}" in cfg.timeline) else None
         explain = None
         if store is not None and world.size > 1:

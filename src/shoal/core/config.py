@@ -65,6 +65,8 @@ class Knob:
     parse: Callable[[str], Any]
     default: Any
     doc: str
+    #: Horovod's variable for the same setting, read when ``SHOAL_<NAME>`` is unset
+    horovod: str | None = None
 
 
 def _knobs(*items: Knob) -> dict[str, Knob]:
@@ -116,11 +118,13 @@ KNOBS: dict[str, Knob] = _knobs(
     Knob("small_message_bytes", parse_bytes, 64 << 10, "across hosts, messages up to this "
          "size use recursive doubling (log2 n latencies) instead of the ring (2(n-1))"),
     # engine (fusion, timeline)
-    Knob("fusion_threshold", parse_bytes, 64 << 20, "fusion buffer size in bytes"),
+    Knob("fusion_threshold", parse_bytes, 64 << 20, "fusion buffer size in bytes",
+         horovod="HOROVOD_FUSION_THRESHOLD"),
     Knob("bucket_bytes", parse_bytes, 0, "gradient bucket of the framework optimizers "
          "(DistributedOptimizer): one reduction per bucket, submitted when it is full; 0: "
          "2 MiB, or one fusion buffer when CPU workers already use every core"),
-    Knob("cycle_time_ms", float, 1.0, "how long the engine waits for more tensors to fuse"),
+    Knob("cycle_time_ms", float, 1.0, "how long the engine waits for more tensors to fuse",
+         horovod="HOROVOD_CYCLE_TIME"),
     Knob("cpu_bind", _cpu_bind, "auto", "shoalrun binds each worker to its share of the "
          "cores: auto (when they do not outnumber the cores), core (round robin even then) "
          "or none"),
@@ -138,7 +142,10 @@ KNOBS: dict[str, Knob] = _knobs(
          "then an NCCL allgather); auto takes it where each local rank has a GPU of its own"),
     Knob("device_group_backend", str, "nccl", "torch backend of that intra-node group (gloo "
          "stands in for NCCL on CPU machines)"),
-    Knob("timeline", str, None, "write a Chrome-trace timeline to this path"),
+    Knob("timeline", str, None, "write a Chrome-trace timeline to this path",
+         horovod="HOROVOD_TIMELINE"),
+    Knob("timeline_mark_cycles", _parse_bool, False, "mark each round that runs collectives "
+         "on the timeline (CYCLE_START)", horovod="HOROVOD_TIMELINE_MARK_CYCLES"),
     Knob("log_level", str, "WARNING", "logging level of the shoal loggers"),
     Knob("log_timestamps", _parse_bool, False, "shoal's log lines carry the time (they go to "
          "stderr through a handler of their own then)"),
@@ -192,18 +199,22 @@ def _read_secret(path: str) -> str:
 
 
 def load(environ: Mapping[str, str] | None = None, **explicit: Any) -> Config:
-    """Snapshot the configuration: explicit arguments > overrides > ``SHOAL_*`` > defaults."""
+    """Snapshot the configuration: explicit arguments > overrides > ``SHOAL_*`` > Horovod's
+    variable for the knob (``HOROVOD_TIMELINE``...) > defaults."""
     env = os.environ if environ is None else environ
     _check_names(explicit)
     values: dict[str, Any] = {}
     for name, knob in KNOBS.items():
-        raw = env.get(env_name(name))
+        var = env_name(name)
+        raw = env.get(var)
+        if (raw is None or raw == "") and knob.horovod:
+            var, raw = knob.horovod, env.get(knob.horovod)
         value = knob.default
         if raw is not None and raw != "":
             try:
                 value = knob.parse(raw)
             except ValueError as exc:
-                raise ConfigError(f"{env_name(name)}={raw!r} is not valid: {exc}") from None
+                raise ConfigError(f"{var}={raw!r} is not valid: {exc}") from None
         values[name] = value
     values.update(RUNTIME.overrides)
     values.update({k: v for k, v in explicit.items() if v is not None})

@@ -1,17 +1,22 @@
 """Chrome-trace timeline (``SHOAL_TIMELINE=path.json``), viewable in Perfetto or
 chrome://tracing.
 
-One track per tensor shows its phases: ``QUEUE`` (submitted, waiting for a negotiation round),
-``NEGOTIATE`` (the round that found it ready on every rank), then the collective itself with
-``MEMCPY_IN``, ``REDUCE`` and ``MEMCPY_OUT`` and, in its arguments, the fusion buffer it went
-into. The shared-memory path interleaves those phases chunk by chunk; the timeline shows each
-phase's total time, back to back, inside the collective's span. A ``fusion buffers`` track
-shows every fused collective once.
+Horovod's layout and names: one track per tensor, named ``<kind>.<name>``
+(``allreduce.grad0``), shows its phases: ``QUEUE`` (submitted, waiting for a negotiation
+round), ``NEGOTIATE_<KIND>`` (the round that found it ready on every rank), then the
+collective itself (``ALLREDUCE``, ``BROADCAST``, ``ALLGATHER``, ``ALLTOALL``,
+``REDUCESCATTER``) with ``MEMCPY_IN``, ``REDUCE`` and ``MEMCPY_OUT`` and, in its arguments,
+the fusion buffer it went into. With ``mark_cycles`` (``SHOAL_TIMELINE_MARK_CYCLES``, or
+Horovod's ``HOROVOD_TIMELINE_MARK_CYCLES``) every round that runs collectives is marked by a
+``CYCLE_START`` instant. The shared-memory path interleaves those phases chunk by chunk;
+the timeline shows each phase's total time, back to back, inside the collective's span. A
+``fusion buffers`` track shows every fused collective once.
 
-Events are written as they happen (the JSON array format, which both viewers accept even if
-the process dies before closing it); ``close()`` completes the JSON.
+Events are written and flushed as they happen (the JSON array format, which both viewers
+accept even if the process dies before closing it); ``close()`` completes the JSON.
 
-A timeline runs from ``init`` with ``SHOAL_TIMELINE`` (``shoalrun --timeline-filename``), or
+A timeline runs from ``init`` with ``SHOAL_TIMELINE`` (or Horovod's ``HOROVOD_TIMELINE``;
+``shoalrun --timeline-filename``), or
 between :func:`start_timeline` and :func:`stop_timeline` at run time, as Horovod's. Started at
 run time, the one-round path of small allreduces stays on (every rank must agree on it, and a
 timeline may be started on some ranks only) and shows each such allreduce as one
@@ -32,9 +37,10 @@ __all__ = ["Timeline", "start_timeline", "stop_timeline"]
 class Timeline:
     """Append-only Chrome trace writer, safe to call from several threads."""
 
-    def __init__(self, path: str, rank: int) -> None:
+    def __init__(self, path: str, rank: int, mark_cycles: bool = False) -> None:
         self.path = path.replace("{rank}", str(rank))
         self.rank = rank
+        self.mark_cycles = mark_cycles
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
         self._file: IO[str] | None = open(self.path, "w")  # noqa: SIM115 (lives until close)
         self._file.write("[\n")
@@ -53,6 +59,7 @@ class Timeline:
             return
         text = json.dumps(event)
         self._file.write(text if self._first else ",\n" + text)
+        self._file.flush()  # readable as it runs (Horovod's tests read it while it does)
         self._first = False
 
     def _tid(self, track: str) -> int:
@@ -70,11 +77,24 @@ class Timeline:
                         "ts": self._us(start), "dur": max(0.0, self._us(end) - self._us(start)),
                         "args": args})
 
-    def collective(self, track: str, start: float, end: float, phases: dict[str, float],
-                   **args: Any) -> None:
-        """The collective's span plus its phases' totals laid back to back inside it."""
-        self.span(track, "ALLREDUCE" if "fusion_buffer" in args else "COLLECTIVE", start, end,
-                  **args)
+    @staticmethod
+    def track(kind: str, name: str) -> str:
+        """The track of collective ``name`` of ``kind`` (``allreduce``): ``kind.name``, as
+        Horovod names them (names shoal made up already start with their kind)."""
+        return name if name.startswith(kind + ".") else f"{kind}.{name}"
+
+    def cycle(self, t: float) -> None:
+        """Mark the start of a round that runs collectives (with ``mark_cycles``)."""
+        if self.mark_cycles:
+            with self._lock:
+                self._emit({"name": "CYCLE_START", "ph": "i", "s": "p", "pid": self.rank,
+                            "tid": 0, "ts": self._us(t)})
+
+    def collective(self, track: str, kind: str, start: float, end: float,
+                   phases: dict[str, float], **args: Any) -> None:
+        """The collective's span (named by its ``kind``) plus its phases' totals laid back to
+        back inside it."""
+        self.span(track, kind.upper(), start, end, **args)
         t = start
         for phase in ("memcpy_in", "reduce", "memcpy_out"):
             if phase in phases:
@@ -93,8 +113,8 @@ class Timeline:
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
     """Write the timeline to ``file_path`` from now on (Horovod's ``start_timeline``): on
     rank 0, or on every rank when the path holds ``{rank}``. A timeline already running is
-    completed and closed first. ``mark_cycles`` is Horovod's (it marks its background
-    thread's cycles); shoal's negotiation rounds show on every tensor's track anyway.
+    completed and closed first. ``mark_cycles`` marks every round that runs collectives
+    with a ``CYCLE_START`` instant.
 
     Raises:
         ShoalError: shoal is not initialised.
@@ -103,7 +123,7 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
 
     engine = api.communicator().engine
     rank = engine.rank
-    engine.set_timeline(Timeline(file_path, rank)
+    engine.set_timeline(Timeline(file_path, rank, mark_cycles)
                         if rank == 0 or "{rank}" in file_path else None)
 
 

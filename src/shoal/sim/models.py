@@ -279,9 +279,18 @@ def load_timeline(path: str | Path, *, batch: int = 1, sizes: Mapping[str, int] 
     if not queues:
         raise ValueError(f"{path}: no QUEUE events; was it written by SHOAL_TIMELINE?")
     pid = min(e["pid"] for e in queues)
+    named = set(sizes or {}) | {n for e in events if e.get("name") == "ALLREDUCE" and
+                                isinstance(e.get("args", {}).get("tensors"), list)
+                                for n in e["args"]["tensors"]}
+
+    def tensor(track: str) -> str:  # tracks are <kind>.<name>, as Horovod's
+        plain = track.removeprefix("allreduce.")
+        return plain if track not in named and plain in named else track
+
     starts: dict[str, list[float]] = {}
     for e in sorted((e for e in queues if e["pid"] == pid), key=lambda e: e["ts"]):
-        starts.setdefault(tracks.get((pid, e["tid"]), str(e["tid"])), []).append(e["ts"])
+        track = tracks.get((pid, e["tid"]), str(e["tid"]))
+        starts.setdefault(tensor(track), []).append(e["ts"])
     steps = min(len(v) for v in starts.values())
     first = 1 if steps >= 3 else 0
     offsets: dict[str, list[float]] = {n: [] for n in starts}

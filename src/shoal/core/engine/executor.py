@@ -43,6 +43,9 @@ class Executor:
         """Run ``reqs`` in order; ``extras`` holds each per-call request's every-rank extras;
         ``t0``/``t1`` bound the negotiation round ``round_`` that decided them."""
         self.round = round_
+        tl = self.timeline
+        if tl is not None:
+            tl.cycle(t0)
         threshold = self.cfg.fusion_threshold
         buckets: dict[tuple, list[Request]] = {}  # open fusion buffer per (dtype, op, codec)
         filled: dict[tuple, int] = {}
@@ -126,6 +129,8 @@ class Executor:
 
     def _trace(self, tl: Timeline, req: Request, t0: float, t1: float, start: float,
                end: float, phases: dict[str, float] | None, **args: Any) -> None:
-        tl.span(req.name, "QUEUE", req.enqueued, max(req.enqueued, t0))
-        tl.span(req.name, "NEGOTIATE", t0, t1, round=self.round)
-        tl.collective(req.name, start, end, phases or {}, kind=req.kind.value, **args)
+        kind = req.kind.value
+        track = tl.track(kind, req.name)
+        tl.span(track, "QUEUE", req.enqueued, max(req.enqueued, t0))
+        tl.span(track, f"NEGOTIATE_{kind.upper()}", t0, t1, round=self.round)
+        tl.collective(track, kind, start, end, phases or {}, **args)

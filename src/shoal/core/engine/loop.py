@@ -273,7 +273,9 @@ class Engine:
             self.rounds += 1
             if blobs is None:
                 if tl is not None:  # negotiation and data in one round: one span
-                    tl.span(name, "ONE_ROUND_ALLREDUCE", start, time.perf_counter(),
+                    tl.cycle(start)
+                    tl.span(tl.track("allreduce", name), "ONE_ROUND_ALLREDUCE", start,
+                            time.perf_counter(),
                             round=self.rounds, bytes=src.nbytes)
                 return True
             future = self._adopt(name, src, dst, dtype, desc, op, blobs)
