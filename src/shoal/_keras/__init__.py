@@ -5,7 +5,8 @@ parametrised by the Keras module it serves (``import keras``, or ``tf.keras``, w
 same Keras 3 under TensorFlow 2.16+). :func:`install` fills an import path's namespace with
 that module's API; the two public packages are a few lines each.
 
-* ``optimizer``: ``DistributedOptimizer`` (a real subclass of the wrapped optimizer's class),
+* ``optimizer``: ``DistributedOptimizer`` (a real subclass of the wrapped optimizer's class)
+  and ``PartialDistributedOptimizer``,
 * ``callbacks``: Horovod's four callbacks, bound to the module's ``Callback`` base,
 * ``values``: eager collectives on Keras values, returning numpy arrays.
 """
@@ -26,7 +27,11 @@ from shoal.tensorflow import device as _tf_device
 
 from . import values
 from .callbacks import make_callbacks
-from .optimizer import create_distributed_optimizer, load_model
+from .optimizer import (
+    create_distributed_optimizer,
+    create_partial_distributed_optimizer,
+    load_model,
+)
 
 __all__ = ["bind", "install"]
 
@@ -64,8 +69,10 @@ def bind(keras: ModuleType) -> dict[str, dict[str, Any]]:
     api = dict(_SHARED)
     api["DistributedOptimizer"] = _bound(create_distributed_optimizer, keras,
                                          "DistributedOptimizer")
-    for fn in (values.allreduce, values.allgather, values.broadcast,
-               values.broadcast_variables, load_model):
+    api["PartialDistributedOptimizer"] = _bound(create_partial_distributed_optimizer, keras,
+                                                "PartialDistributedOptimizer")
+    for fn in (values.allreduce, values.allgather, values.broadcast, values.reducescatter,
+               values.broadcast_variables, values.broadcast_global_variables, load_model):
         api[fn.__name__] = _bound(fn, keras)
     return {"api": api, "callbacks": dict(make_callbacks(keras))}
 

@@ -22,6 +22,7 @@ from .compat import bind_callbacks, build_optimizer, optimizer_built, optimizer_
 from .values import broadcast_variables
 
 __all__ = [
+    "BestModelCheckpointImpl",
     "BroadcastGlobalVariablesCallbackImpl",
     "LearningRateScheduleCallbackImpl",
     "LearningRateWarmupCallbackImpl",
@@ -49,14 +50,33 @@ class BroadcastGlobalVariablesCallbackImpl(_Bound):
     optimizer's gradient accumulators, which hold each rank's own first gradients).
     """
 
-    def __init__(self, root_rank: int = 0, device: str = "") -> None:
+    def __init__(self, root_rank: int = 0, device: str = "",
+                 local_variables: Any = None) -> None:
         super().__init__()
         self.root_rank = root_rank
         self.broadcast_done = False
         self.broadcast_late = False  # the model was not built when training began
+        self._local_vars: set[Any] = set()
+        if local_variables is None:
+            local_variables = []
+        elif _is_variable(local_variables):
+            local_variables = [local_variables]
+        local_variables = list(local_variables)
+        bad = [type(v).__name__ for v in local_variables if not _is_variable(v)]
+        if bad:
+            raise ValueError(f"All local variables must be variables (tf.Variable or Keras "
+                             f"Variable), not {', '.join(bad)}")
+        for var in local_variables:
+            self.register_local_var(var)
+
+    def register_local_var(self, var: Any) -> None:
+        """Leave ``var`` as it is on every rank (it is this rank's own)."""
+        from shoal.tensorflow.tape import local_key
+        self._local_vars.add(local_key(var))
 
     def _broadcast(self) -> None:
-        variables = list(self.model.variables)
+        from shoal.tensorflow.tape import local_key
+        variables = [v for v in self.model.variables if local_key(v) not in self._local_vars]
         optimizer = getattr(self.model, "optimizer", None)
         if optimizer is not None and optimizer_built(optimizer):
             local = {id(v) for v in getattr(optimizer, "_accumulated_gradients", None) or ()
@@ -77,6 +97,10 @@ class BroadcastGlobalVariablesCallbackImpl(_Bound):
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         if not self.broadcast_done:
             self._broadcast()
+
+
+def _is_variable(value: Any) -> bool:
+    return hasattr(value, "assign") and hasattr(value, "dtype") and hasattr(value, "shape")
 
 
 class MetricAverageCallbackImpl(_Bound):
@@ -202,6 +226,33 @@ class LearningRateWarmupCallbackImpl(LearningRateScheduleCallbackImpl):
                   f"{self._lr():g}.")
 
 
+class BestModelCheckpointImpl(_Bound):
+    """Keras's ``ModelCheckpoint`` that keeps only the best model (``save_best_only=True``;
+    Horovod's). ``filepath`` may come later: set ``callback.filepath`` before training, as
+    Horovod's estimators do. Every rank that has it saves: give it to rank 0 only, or give
+    each rank its own path, and put ``MetricAverageCallback`` before it so that every rank
+    judges the same (averaged) metric."""
+
+    keras_base = "ModelCheckpoint"
+
+    def __init__(self, monitor: str = "val_loss", verbose: int = 0,
+                 save_weights_only: bool = False, mode: str = "auto",
+                 save_freq: str | int = "epoch", filepath: str | None = None) -> None:
+        # Keras 3 checks the path's extension at once: a stand-in passes the check
+        stand_in = "best.weights.h5" if save_weights_only else "best.keras"
+        super().__init__(filepath=filepath or stand_in, monitor=monitor,  # type: ignore[call-arg]
+                         verbose=verbose, save_best_only=True,
+                         save_weights_only=save_weights_only, mode=mode, save_freq=save_freq)
+        if filepath is None:
+            self.filepath = None
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        if not self.filepath:
+            raise ValueError("BestModelCheckpoint has no filepath: pass filepath=, or set "
+                             "callback.filepath before training")
+        super().on_train_begin(logs)  # type: ignore[misc]
+
+
 _MADE: dict[type, dict[str, type]] = {}
 
 
@@ -209,4 +260,5 @@ def make_callbacks(keras: ModuleType) -> dict[str, type]:
     """The public callback classes for ``keras`` (made once per ``Callback`` base class)."""
     return bind_callbacks(keras, (BroadcastGlobalVariablesCallbackImpl,
                                   MetricAverageCallbackImpl, LearningRateScheduleCallbackImpl,
-                                  LearningRateWarmupCallbackImpl), _MADE)
+                                  LearningRateWarmupCallbackImpl, BestModelCheckpointImpl),
+                          _MADE)

@@ -74,7 +74,8 @@ def bind_callbacks(keras: ModuleType, impls: Sequence[type],
                    cache: MutableMapping[type, dict[str, type]]) -> dict[str, type]:
     """Public callback classes for ``keras``: for each ``XImpl`` of ``impls`` a class ``X``
     deriving from it and from ``keras.callbacks.Callback`` (or from the bound class of the
-    impl it extends, listed earlier), with ``X.keras`` set; made once per ``Callback`` base."""
+    impl it extends, listed earlier; or from the Keras callback its ``keras_base`` names), with
+    ``X.keras`` set; made once per ``Callback`` base."""
     base = keras.callbacks.Callback
     made = cache.get(base)
     if made is not None:
@@ -83,7 +84,8 @@ def bind_callbacks(keras: ModuleType, impls: Sequence[type],
     for impl in impls:
         name = impl.__name__.removesuffix("Impl")
         parents = [made[b.__name__.removesuffix("Impl")] for b in impl.__bases__
-                   if b.__name__.removesuffix("Impl") in made] or [base]
+                   if b.__name__.removesuffix("Impl") in made] or [
+                       getattr(keras.callbacks, getattr(impl, "keras_base", "Callback"))]
 
         class Bound(impl, *parents):  # type: ignore[misc,valid-type]
             __doc__ = impl.__doc__

@@ -77,20 +77,29 @@ class LocalGradientAggregation:
 
 class Keras2Mixin:
     """The Keras 2 half of a distributed optimizer (mixed into the optimizer's own class with
-    :class:`~shoal._keras.optimizer.DistributedOptimizerMixin`)."""
+    :class:`~shoal._keras.optimizer.DistributedOptimizerMixin`).
 
-    _shoal_reduction: Any = None
+    Gradients are reduced where Keras 2 aggregates them, unless they come reduced (from
+    ``_compute_gradients``, or an aggregation before: a loss-scale optimizer aggregates, then
+    applies with aggregation skipped). With ``backward_passes_per_step`` the aggregate is
+    reduced when it is applied, whether or not the caller skips Keras's aggregation
+    (``experimental_aggregate_gradients=False``, as Horovod's tests do).
+    """
+
     _shoal_reduced: bool = False
     _agg_helper: LocalGradientAggregation | None = None
 
+    def _shoal_accumulates(self) -> bool:
+        return self._agg_helper is not None
+
     def _shoal_reduce(self, grads_and_vars: Any) -> list[tuple[Any, Any]]:
         pairs = list(grads_and_vars)
-        if self._shoal_reduced or not pairs:
+        if self._shoal_reduced or not pairs:  # type: ignore[attr-defined]
             return pairs
-        from .optimizer import Reduction
-        reduce = self._shoal_reduction or Reduction(type(self).__name__)
-        variables = [v for _, v in pairs]
-        grads = reduce([g for g, _ in pairs], variables)
+        grads, variables = [g for g, _ in pairs], [v for _, v in pairs]
+        if not self._shoal_take_note(grads, variables):  # type: ignore[attr-defined]
+            grads = self._shoal_reduce_grads(grads, variables)  # type: ignore[attr-defined]
+        self._shoal_note(grads, variables)  # type: ignore[attr-defined]  # for apply_gradients
         return list(zip(grads, variables, strict=True))
 
     def aggregate_gradients(self, grads_and_vars: Any) -> Any:
@@ -101,7 +110,25 @@ class Keras2Mixin:
 
     def apply_gradients(self, grads_and_vars: Any, *args: Any, **kwargs: Any) -> Any:
         apply = super().apply_gradients  # type: ignore[misc]
-        if self._agg_helper is None:
-            return apply(grads_and_vars, *args, **kwargs)
-        return self._agg_helper.apply(self, grads_and_vars,
-                                      lambda pairs: apply(pairs, *args, **kwargs))
+        pairs = list(grads_and_vars)
+        grads, variables = [g for g, _ in pairs], [v for _, v in pairs]
+        try:
+            reduced = bool(pairs) and (self._shoal_reduced or  # type: ignore[attr-defined]
+                                       self._shoal_take_note(grads, variables))  # type: ignore[attr-defined]
+            if self._agg_helper is None:
+                if not reduced:
+                    return apply(pairs, *args, **kwargs)
+                with self._shoal_passing():  # type: ignore[attr-defined]
+                    return apply(pairs, *args, **kwargs)
+
+            def update(aggregated: list[tuple[Any, Any]]) -> Any:
+                if not reduced:
+                    done = self._shoal_reduce_grads(  # type: ignore[attr-defined]
+                        [g for g, _ in aggregated], [v for _, v in aggregated])
+                    aggregated = list(zip(done, [v for _, v in aggregated], strict=True))
+                with self._shoal_passing():  # type: ignore[attr-defined]
+                    return apply(aggregated, *args, **kwargs)
+
+            return self._agg_helper.apply(self, pairs, update)
+        finally:
+            self._shoal_own()["note"] = None  # type: ignore[attr-defined]

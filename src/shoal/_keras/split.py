@@ -95,8 +95,9 @@ class SplitStep:
             keep([g for g, _ in pairs], [v for _, v in pairs])
             return self.outer.iterations
 
-        if self.keras2:
-            with _override(self.outer, "apply_gradients", capture_pairs):
+        if self.keras2:  # its compute_gradients would reduce: the split reduces instead
+            with _override(self.outer, "apply_gradients", capture_pairs), \
+                    _override(self.distributed, "_shoal_reduced", True):
                 logs = self.model.train_step(data)
         else:
             with _override(self.outer, "apply", capture):

@@ -18,7 +18,8 @@ from shoal.core.reduction import ReduceOp
 
 from .compat import to_numpy
 
-__all__ = ["allgather", "allreduce", "broadcast", "broadcast_variables"]
+__all__ = ["allgather", "allreduce", "broadcast", "broadcast_global_variables",
+           "broadcast_variables", "reducescatter"]
 
 
 def _array(keras: ModuleType, value: Any) -> np.ndarray:
@@ -51,6 +52,32 @@ def broadcast(keras: ModuleType, value: Any, root_rank: int,
               name: str | None = None) -> np.ndarray:
     """``root_rank``'s ``value``, as a numpy array on every rank."""
     return shoal.broadcast(np.array(_array(keras, value)), root_rank, name=name)
+
+
+def reducescatter(keras: ModuleType, value: Any, name: str | None = None,
+                  op: ReduceOp = ReduceOp.AVERAGE) -> np.ndarray:
+    """``value`` reduced over all ranks (Average by default) and split along dimension 0:
+    this rank's part, as a numpy array (the first ranks get one row more when the rows do not
+    divide evenly)."""
+    return shoal.reducescatter(_array(keras, value), op=ReduceOp(op), name=name)
+
+
+def broadcast_global_variables(keras: ModuleType, root_rank: int) -> None:
+    """Keras 2 graph code (``tf.compat.v1.disable_eager_execution()``): assign
+    ``root_rank``'s values to every global variable, in the Keras session. Eager code keeps no
+    global variables (Horovod refuses it too): broadcast the model's and optimizer's variables
+    with ``broadcast_variables``, or use ``callbacks.BroadcastGlobalVariablesCallback``."""
+    import tensorflow as tf
+    if tf.executing_eagerly():
+        raise RuntimeError("broadcast_global_variables() needs graph mode (Keras 2 with "
+                           "tf.compat.v1.disable_eager_execution()); eagerly, call "
+                           "broadcast_variables(model.variables, root_rank) or use "
+                           "callbacks.BroadcastGlobalVariablesCallback(root_rank)")
+    from shoal.tensorflow import broadcast_global_variables as graph_op
+    # Keras 2 keeps its session in the v1 API (tf.compat.v1.keras is tf_keras's then)
+    session = getattr(keras.backend, "get_session", None) or \
+        tf.compat.v1.keras.backend.get_session
+    session().run(graph_op(root_rank))
 
 
 def broadcast_variables(keras: ModuleType, variables: Sequence[Any], root_rank: int = 0,

@@ -1,7 +1,7 @@
 """Horovod's Keras callbacks for ``shoal.keras``'s Keras (implemented in
 :mod:`shoal._keras.callbacks`):
 ``BroadcastGlobalVariablesCallback``, ``MetricAverageCallback``,
-``LearningRateScheduleCallback``, ``LearningRateWarmupCallback``."""
+``LearningRateScheduleCallback``, ``LearningRateWarmupCallback``, ``BestModelCheckpoint``."""
 
 from __future__ import annotations
 

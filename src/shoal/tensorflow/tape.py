@@ -33,10 +33,11 @@ from shoal.core.reduction import ReduceOp, resolve_op
 
 from .differentiable import grouped_allreduce
 
-__all__ = ["DistributedGradientTape", "PartialDistributedGradientTape", "reduce_gradients"]
+__all__ = ["DistributedGradientTape", "PartialDistributedGradientTape", "local_key",
+           "local_layer_variables", "reduce_except_local", "reduce_gradients"]
 
 
-def _key(variable: Any) -> Any:
+def local_key(variable: Any) -> Any:
     """A hashable identity for a TensorFlow or Keras variable."""
     return variable.ref() if hasattr(variable, "ref") else id(variable)
 
@@ -54,10 +55,10 @@ def _groups(count: int, variables: Sequence[Any] | None, groups: Any) -> list[li
     if variables is None:
         raise ValueError("groups given as lists of variables need the variables; pass them "
                          "to gradient()/apply")
-    where = {_key(v): i for i, v in enumerate(variables)}
+    where = {local_key(v): i for i, v in enumerate(variables)}
     out, seen = [], set()
     for group in groups:
-        idx = [where[_key(v)] for v in group if _key(v) in where]
+        idx = [where[local_key(v)] for v in group if local_key(v) in where]
         seen.update(idx)
         if idx:
             out.append(sorted(idx))
@@ -99,6 +100,51 @@ def reduce_gradients(grads: Sequence[Any], variables: Sequence[Any] | None = Non
             for i, g in zip(idx, reduced, strict=True):
                 out[i] = g
     return out
+
+
+def reduce_except_local(grads: Sequence[Any], sources: Sequence[Any], local: Any = (), *,
+                        scale_local_gradients: bool = True, process_set: Any = None,
+                        **reduce: Any) -> list[Any]:
+    """:func:`reduce_gradients`, except the gradients of ``sources`` whose :func:`local_key` is
+    in ``local``: those stay this rank's own, divided by the process set's size when
+    ``scale_local_gradients`` (Horovod's rule for local layers, so that their update has the
+    scale a reduced gradient would have)."""
+    local = set(local)
+    is_local = [bool(local) and local_key(s) in local for s in sources]
+    shared = [i for i, own in enumerate(is_local) if not own]
+    reduced = reduce_gradients([grads[i] for i in shared], [sources[i] for i in shared],
+                               process_set=process_set, **reduce)
+    out = list(grads)
+    for i, g in zip(shared, reduced, strict=True):
+        out[i] = g
+    if scale_local_gradients and any(is_local):
+        size = float(ps_.communicator_for(process_set).size)
+        for i, own in enumerate(is_local):
+            g = out[i]
+            if own and g is not None:
+                out[i] = tf.IndexedSlices(g.values / size, g.indices, g.dense_shape) \
+                    if isinstance(g, tf.IndexedSlices) else g / size
+    return out
+
+
+def local_layer_variables(local_layers: Any) -> list[Any]:
+    """The trainable variables of ``local_layers`` (a Keras layer, or a list of them; Keras 3
+    and Keras 2's layers alike), for the ``Partial*`` wrappers."""
+    if local_layers is None:
+        return []
+    layers = [local_layers] if _is_layer(local_layers) else list(local_layers)
+    bad = [type(layer).__name__ for layer in layers if not _is_layer(layer)]
+    if bad:
+        raise ValueError(f"All local layers must be of tf.keras.layers.Layer type, not "
+                         f"{', '.join(bad)}")
+    return [v for layer in layers for v in layer.trainable_weights]
+
+
+def _is_layer(obj: Any) -> bool:
+    import sys
+    bases = [getattr(getattr(sys.modules.get(m), "layers", None), "Layer", None)
+             for m in ("keras", "tf_keras")]
+    return any(isinstance(obj, b) for b in bases if isinstance(b, type))
 
 
 def _shared(attr: str) -> property:
@@ -146,7 +192,7 @@ class DistributedGradientTape(tf.GradientTape):
     def register_local_source(self, source: Any) -> None:
         """Keep ``source``'s gradient local: not reduced (scaled by 1/size when
         ``scale_local_gradients``)."""
-        self._local_sources.add(_key(source))
+        self._local_sources.add(local_key(source))
 
     def gradient(self, target: Any, sources: Any, output_gradients: Any = None,
                  unconnected_gradients: tf.UnconnectedGradients = tf.UnconnectedGradients.NONE
@@ -154,21 +200,10 @@ class DistributedGradientTape(tf.GradientTape):
         """Local gradients of ``target`` w.r.t. ``sources``, reduced over the process set
         (same structure as ``sources``)."""
         grads = super().gradient(target, sources, output_gradients, unconnected_gradients)
-        flat, flat_sources = tf.nest.flatten(grads), tf.nest.flatten(sources)
-        local = [_key(s) in self._local_sources for s in flat_sources]
-        shared = [i for i, is_local in enumerate(local) if not is_local]
-        reduced = reduce_gradients([flat[i] for i in shared], [flat_sources[i] for i in shared],
-                                   **self._reduce)
-        out = list(flat)
-        for i, g in zip(shared, reduced, strict=True):
-            out[i] = g
-        if self.scale_local_gradients and any(local):
-            size = float(ps_.communicator_for(self.process_set).size)
-            for i, is_local in enumerate(local):
-                g = out[i]
-                if is_local and g is not None:
-                    out[i] = tf.IndexedSlices(g.values / size, g.indices, g.dense_shape) \
-                        if isinstance(g, tf.IndexedSlices) else g / size
+        out = reduce_except_local(tf.nest.flatten(grads), tf.nest.flatten(sources),
+                                  self._local_sources,
+                                  scale_local_gradients=self.scale_local_gradients,
+                                  **self._reduce)
         return tf.nest.pack_sequence_as(grads, out)
 
 
@@ -183,17 +218,9 @@ def PartialDistributedGradientTape(gradtape: tf.GradientTape, device_dense: str 
                                    ) -> DistributedGradientTape:
     """A :class:`DistributedGradientTape` that keeps the gradients of ``local_layers``'
     weights local (model parallelism inside data parallelism)."""
-    import keras
-    if local_layers is None:
-        local_layers = []
-    elif isinstance(local_layers, keras.layers.Layer):
-        local_layers = [local_layers]
-    elif not all(isinstance(layer, keras.layers.Layer) for layer in local_layers):
-        raise ValueError("All local layers must be of tf.keras.layers.Layer type.")
     tape = DistributedGradientTape(gradtape, device_dense, device_sparse, compression,
                                    sparse_as_dense, op, gradient_predivide_factor, num_groups,
                                    groups, process_set, scale_local_gradients)
-    for layer in local_layers:
-        for var in layer.trainable_weights:
-            tape.register_local_source(var)
+    for var in local_layer_variables(local_layers):
+        tape.register_local_source(var)
     return tape

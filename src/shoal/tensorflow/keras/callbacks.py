@@ -1,6 +1,6 @@
 """Horovod's Keras callbacks for ``tf.keras`` (implemented in :mod:`shoal._keras.callbacks`):
 ``BroadcastGlobalVariablesCallback``, ``MetricAverageCallback``,
-``LearningRateScheduleCallback``, ``LearningRateWarmupCallback``."""
+``LearningRateScheduleCallback``, ``LearningRateWarmupCallback``, ``BestModelCheckpoint``."""
 
 from __future__ import annotations
 
