@@ -1,6 +1,7 @@
 """Horovod's Keras pieces beyond model.fit (issue 50), on Keras 3 and Keras 2 (tf_keras) alike,
 at 3 ranks: the optimizer's ``_compute_gradients`` and ``register_local_var``,
-``PartialDistributedOptimizer``, ``BroadcastGlobalVariablesCallback(local_variables=)``,
+``PartialDistributedOptimizer``, ``op=Adasum``,
+``BroadcastGlobalVariablesCallback(local_variables=)``,
 ``reducescatter``, ``broadcast_global_variables`` and ``callbacks.BestModelCheckpoint``.
 
 One job per Keras runs every piece (TensorFlow's import dominates); each piece is its own test.
@@ -82,6 +83,10 @@ def _compute_gradients(tf, keras, hvd, rank: int) -> dict:
     out["start"] = weights
     with pytest.raises(ValueError, match="tape"):
         opt._compute_gradients(value, model.trainable_variables)
+    model.set_weights(weights)
+    adasum = hvd.DistributedOptimizer(keras.optimizers.SGD(LR), op=hvd.Adasum)
+    out["adasum"] = [g.numpy() for g, _ in adasum._compute_gradients(
+        loss, var_list=model.trainable_variables)]
     return out
 
 
@@ -209,6 +214,15 @@ def test_compute_gradients_reduce_once(ranks) -> None:
             _close(c["tensor"][i], total[i])
             _close(c["eager_step"][i], c["start"][i] - LR * total[i])
             _close(c["graph_step"][i], c["start"][i] - LR * total[i])
+
+
+def test_optimizer_adasum_matches_the_reference(ranks) -> None:
+    from test_adasum import _reference
+    for i in range(4):
+        shape = ranks[0]["compute"]["local"][i].shape
+        want = _reference([r["compute"]["local"][i].ravel() for r in ranks]).reshape(shape)
+        for r in ranks:
+            np.testing.assert_allclose(r["compute"]["adasum"][i], want, rtol=1e-4, atol=1e-6)
 
 
 def test_fit_reduces_once(ranks) -> None:
