@@ -165,7 +165,9 @@ def test_worker_killed_mid_epoch(tmp_path: Path) -> None:
     """3 workers; one SIGKILLs itself after its 4th step of epoch 0, before committing it:
     the other 2 restore the last commit, re-shard the rest of the epoch and finish."""
     _discovery(tmp_path, "localhost:3\n")
+    # one host: the lenient policy keeps it (by default its failure would blacklist it)
     proc = _shoalrun(tmp_path, "-np", "3", "--min-np", "2", "--max-np", "3",
+                     "--blacklist-after", "2",
                      "--host-discovery-script", str(tmp_path / "discover.sh"),
                      env={"KILL_ID": "localhost:1", "KILL_AT": "3"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -181,6 +183,7 @@ def test_worker_killed_mid_epoch(tmp_path: Path) -> None:
 def test_below_min_np_fails_with_reason(tmp_path: Path) -> None:
     _discovery(tmp_path, "localhost:2\n")
     proc = _shoalrun(tmp_path, "-np", "2", "--min-np", "2", "--max-np", "2",
+                     "--blacklist-after", "2",
                      "--host-discovery-script", str(tmp_path / "discover.sh"),
                      "--elastic-timeout", "2",
                      env={"KILL_ID": "localhost:1", "KILL_AT": "2"})
@@ -207,6 +210,7 @@ def test_worker_added_through_discovery(tmp_path: Path) -> None:
 def test_reset_limit_stops_the_job(tmp_path: Path) -> None:
     _discovery(tmp_path, "localhost:3\n")
     proc = _shoalrun(tmp_path, "-np", "3", "--min-np", "2", "--reset-limit", "0",
+                     "--blacklist-after", "2",
                      "--host-discovery-script", str(tmp_path / "discover.sh"),
                      env={"KILL_ID": "localhost:1", "KILL_AT": "1"})
     assert proc.returncode != 0

@@ -71,6 +71,7 @@ def test_keras_fit_survives_a_killed_worker(tmp_path: Path, legacy: bool) -> Non
     script = tmp_path / "fit.py"
     script.write_text(FIT)
     proc = subprocess.run([sys.executable, "-m", "shoal.runner", "-np", "3", "--min-np", "2",
+                           "--blacklist-after", "2",
                            "--host-discovery-script", str(tmp_path / "discover.sh"),
                            sys.executable, str(script)], capture_output=True, text=True,
                           timeout=300, cwd=ROOT, env={**_env(), "KILL_ID": "localhost:1",

@@ -43,7 +43,7 @@ from .errors import CollectiveMismatchError, ShoalError, ShoalTimeoutError
 from .host_updates import HostUpdateResult, Notifier, update_result
 from .runtime import RUNTIME
 
-__all__ = ["ELASTIC_ID_VAR", "WORLD_KEY", "HostUpdateResult", "HostsUpdatedInterrupt",
+__all__ = ["ELASTIC_ID_VAR", "FORMED_KEY", "WORLD_KEY", "HostUpdateResult", "HostsUpdatedInterrupt",
            "ObjectState", "State", "WorldPlan", "elastic_job", "join_world", "reset", "run_fn",
            "world_broken", "world_version"]
 
@@ -51,6 +51,9 @@ __all__ = ["ELASTIC_ID_VAR", "WORLD_KEY", "HostUpdateResult", "HostsUpdatedInter
 ELASTIC_ID_VAR = "SHOAL_ELASTIC_ID"
 #: The store key under which the driver publishes the current world (JSON).
 WORLD_KEY = "elastic/world"
+#: the version of the last world that formed (its rank 0 joined), for the driver: a world
+#: that has not formed when the job finishes never will
+FORMED_KEY = "elastic/formed"
 _F = TypeVar("_F", bound=Callable[..., Any])
 _log = logging.getLogger("shoal.elastic")
 _store_lock = threading.RLock()  # one store client serves the training thread and the notifier
@@ -164,6 +167,9 @@ def join_world(timeout: float | None = None) -> WorldPlan:
     api.init(rank=rank, size=len(plan.members), local_rank=local.index(rank),
              local_size=len(local), hostname=host, job_id=f"{base}-w{plan.version}",
              store_prefix=f"elastic/w{plan.version}", serve_store=False)
+    if rank == 0:  # every member has joined: init returns only then
+        with contextlib.suppress(Exception), _store_lock:
+            _store().set(FORMED_KEY, str(plan.version).encode())
     global _joined
     if not _joined:
         _export_horovod_env(plan, rank, local.index(rank), len(local))

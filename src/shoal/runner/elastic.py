@@ -16,10 +16,12 @@
   are stopped), publishes a smaller world: the survivors, inside ``hvd.elastic.run``, see the
   lost peer, restore the last commit and continue; when slots appear, starts workers and
   publishes a larger world, which running workers notice at their next ``state.commit()``;
-* does not reuse the slot of a worker that failed (a new slot in discovery is needed);
-  blacklists a host whose workers failed ``--blacklist-after`` times (default 2), for good
-  or, with ``--blacklist-cooldown-range MIN MAX``, until a cool-down ends (:class:`Blacklist`;
-  the host then gets its slots back);
+* on a worker's failure blacklists its host, as horovodrun does: the host's other workers
+  are stopped at once and its slots leave the pool, for good or, with
+  ``--blacklist-cooldown-range MIN MAX``, until a cool-down ends (:class:`Blacklist`; the host
+  then gets its slots back). ``--blacklist-after N`` (N > 1) is the lenient option: a host
+  stays until its workers failed N times, and only the slot of a worker that failed is not
+  reused (a new slot in discovery is needed);
 * fails the job, saying why, when fewer than ``--min-np`` workers are left for
   ``--elastic-timeout`` seconds, or when more than ``--reset-limit`` resets were needed; ends
   it when the workers exit 0.
@@ -44,7 +46,7 @@ from pathlib import Path
 from .. import alias
 from ..core import config
 from ..core.auth import secret_bytes
-from ..core.elastic import ELASTIC_ID_VAR, WORLD_KEY, WorldPlan
+from ..core.elastic import ELASTIC_ID_VAR, FORMED_KEY, WORLD_KEY, WorldPlan
 from .common import ExitCode, LaunchError, err
 from .hosts import WorkerSpec, local_host_names
 from .options import LAUNCHER_VARS
@@ -66,7 +68,7 @@ class ElasticOptions:
     discovery_interval_s: float = 1.0
     elastic_timeout_s: float = 600.0
     reset_limit: int | None = None
-    blacklist_after: int = 2
+    blacklist_after: int = 1  # horovodrun's: the first failure blacklists the host
     hosts: tuple[tuple[str, int], ...] = ()  # the fixed pool without a script
     slots_per_host: int = 1  # of a discovered host whose line gives none
     cooldown_range: tuple[int, int] | None = None  # blacklisted for good without one
@@ -79,6 +81,8 @@ class ElasticOptions:
                               f"<= --max-np ({self.max_np})")
         if self.discovery_interval_s <= 0 or self.elastic_timeout_s <= 0:
             raise LaunchError("elastic: --discovery-interval and --elastic-timeout must be > 0")
+        if self.blacklist_after < 1:
+            raise LaunchError("elastic: --blacklist-after must be >= 1")
         if self.slots_per_host < 1:
             raise LaunchError("elastic: --slots-per-host must be >= 1")
         if self.cooldown_range is not None:
@@ -282,6 +286,21 @@ def run_elastic(opts: ElasticOptions, command: Sequence[str], *, remote: HostRun
             path.unlink(missing_ok=True)
 
 
+def _stop_stranded(d: _Driver, store: object) -> None:
+    """Training finished: workers started for a world that never formed wait to join it
+    (its rank 0 has exited); stop them, as horovodrun ends a job once the workers of its last
+    rendezvous are done."""
+    try:
+        formed = int(store.try_get(FORMED_KEY) or b"0")  # type: ignore[attr-defined]
+    except Exception:  # the store is ours and local: a failure here is not the job's
+        return
+    for m in [m for m in d.members.values() if m.joined > formed]:
+        err(f"elastic: training finished before world {m.joined} formed: stopping worker "
+            f"{m.id}, which never trained")
+        stop_workers([m.worker], d.kill_grace)
+        del d.members[m.id]
+
+
 def _loop(d: _Driver, store: object) -> int:
     opts = d.opts
     want = opts.np
@@ -293,7 +312,7 @@ def _loop(d: _Driver, store: object) -> int:
         changed, added = False, False
         for m in list(d.members.values()):  # exits
             rc = m.worker.proc.poll()
-            if rc is None:
+            if rc is None or m.id not in d.members:  # running, or stopped with its host
                 continue
             for t in m.worker.threads:  # its last output lines, then forget it
                 t.join(timeout=1.0)
@@ -308,10 +327,16 @@ def _loop(d: _Driver, store: object) -> int:
             if d.failures[m.host] >= opts.blacklist_after and \
                     m.host not in d.blacklist.active(time.monotonic()):
                 out_for = d.blacklist.add(m.host, time.monotonic())
-                err(f"elastic: host {m.host} blacklisted after {d.failures[m.host]} failures"
+                err(f"elastic: host {m.host} blacklisted after {d.failures[m.host]} "
+                    f"failure{'s' if d.failures[m.host] > 1 else ''}"
                     + ("" if math.isinf(out_for) else f", for {out_for:.0f}s"))
+                for other in [o for o in d.members.values() if o.host == m.host]:
+                    err(f"elastic: host {m.host} is blacklisted: stopping worker {other.id}")
+                    stop_workers([other.worker], d.kill_grace)
+                    del d.members[other.id]
             changed = True
         if finished:
+            _stop_stranded(d, store)
             if not d.members:
                 err(f"elastic: job finished ({len(finished)} workers exited 0)")
                 return ExitCode.OK

@@ -248,8 +248,9 @@ OPTIONS: tuple[Option, ...] = (
          "discovery script", parse=float, env="SHOAL_DISCOVERY_INTERVAL_S", default=1.0,
          metavar="S", advanced=True),
     _opt("--blacklist-after", "blacklist_after", "elastic: failures after which a host is no "
-         "longer used", parse=int, env="SHOAL_BLACKLIST_AFTER", default=2, metavar="N",
-         advanced=True),
+         "longer used (default 1, horovodrun's: its other workers stop at once; above 1 only "
+         "the failed slot is dropped until then)", parse=int, env="SHOAL_BLACKLIST_AFTER",
+         default=1, metavar="N", advanced=True),
     _opt("--blacklist-cooldown-range", "cooldown_range", "elastic: a blacklisted host may be "
          "used again after a cool-down of MIN..MAX seconds (growing with each blacklisting; "
          "default: never)", parse=int, nargs=2, env="SHOAL_BLACKLIST_COOLDOWN_RANGE",
