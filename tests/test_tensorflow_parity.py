@@ -126,6 +126,13 @@ def _collectives(tf: Any, hvd: Any, rank: int, n: int, mode: str,
         assert isinstance(s, tf.IndexedSlices)
         return tf.convert_to_tensor(s)
     _check(call(sparse, values, idx), dense / n, f"{mode} IndexedSlices")
+    # integer values are averaged by true division, as Horovod's: floats, never zeros
+    ints = np.arange(6, dtype=np.uint8).reshape(2, 3) + rank
+    averaged = call(lambda v, k: hvd.allreduce(tf.IndexedSlices(v, k), op=hvd.Average).values,
+                    ints, idx)
+    assert np.asarray(averaged).dtype == np.float32, (mode, averaged)
+    _check(averaged, np.concatenate([(np.arange(6).reshape(2, 3) + r) / n for r in range(n)]
+                                    ).astype(np.float32), f"{mode} IndexedSlices uint8")
     # the *_op tensors
     got = call(lambda: [hvd.rank_op(), hvd.size_op(), hvd.local_rank_op(),
                         hvd.local_size_op(), hvd.process_set_included_op()])

@@ -60,13 +60,16 @@ def _decompress(compression: Any, tensors: list[tf.Tensor], ctxs: Any) -> list[t
 def _sparse(t: Any, op: ReduceOp, pre: float, post: float, process_set: Any
             ) -> tf.IndexedSlices:
     """Horovod's reduction of ``IndexedSlices``: allgather the values and indices."""
-    scale = sparse_scale(op, collectives.set_size(process_set), what="a tf.IndexedSlices")
+    size = collectives.set_size(process_set)
+    sparse_scale(op, size, what="a tf.IndexedSlices")  # refuses what a gather cannot do
     if pre != 1.0 or post != 1.0:  # (Horovod's TensorFlow refuses them here)
         raise NotImplementedError("prescale_factor/postscale_factor are not supported with "
                                   "tf.IndexedSlices; pass sparse_as_dense=True")
     values, indices = collectives.allgather_n([t.values, t.indices], process_set=process_set)
-    if scale != 1.0:
-        values = values * tf.cast(scale, values.dtype)
+    if op == ReduceOp.AVERAGE:
+        # Horovod divides by the size: integer values come back as floats (true division),
+        # where a factor cast to their type would zero them
+        values = values / tf.cast(size, values.dtype)
     return tf.IndexedSlices(values, indices, dense_shape=t.dense_shape)
 
 
