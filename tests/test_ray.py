@@ -7,9 +7,6 @@ with a Horovod-style training function, and a worker killed under ``FailureConfi
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,40 +19,12 @@ os.environ.setdefault("RAY_AUTH_MODE", "token")
 ray = pytest.importorskip("ray")
 pytest.importorskip("ray.train")
 
-from harness import free_port_pair  # noqa: E402
-
 pytestmark = pytest.mark.slow
-BIN = Path(sys.executable).parent
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory):
-    ray_cli = shutil.which("ray", path=str(BIN)) or shutil.which("ray")
-    if ray_cli is None:
-        pytest.skip("the ray command is not installed")
-    port = free_port_pair()
-    temp = tmp_path_factory.mktemp("ray")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SHOAL_", "RAY_"))}
-    env.update(RAY_USAGE_STATS_ENABLED="0", OMP_NUM_THREADS="1", RAY_AUTH_MODE="token",
-               # the workers unpickle this module's training functions
-               PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).parent),
-                                                        env.get("PYTHONPATH")])))
-    address = f"127.0.0.1:{port}"
-    common = ["--num-cpus", "1", "--disable-usage-stats"]
-    subprocess.run([ray_cli, "start", "--head", "--port", str(port), "--node-ip-address",
-                    "127.0.0.1", "--include-dashboard", "false", "--temp-dir", str(temp),
-                    *common], env=env, check=True, capture_output=True, timeout=120)
-    try:
-        subprocess.run([ray_cli, "start", "--address", address, "--node-ip-address",
-                        "127.0.0.1", *common], env=env, check=True, capture_output=True,
-                       timeout=120)
-        os.environ["RAY_ADDRESS"] = address
-        ray.init(address=address, logging_level="ERROR", log_to_driver=False)
-        yield address
-    finally:
-        ray.shutdown()
-        os.environ.pop("RAY_ADDRESS", None)
-        subprocess.run([ray_cli, "stop", "--force"], env=env, capture_output=True, timeout=120)
+@pytest.fixture
+def cluster(ray_cluster: str) -> str:
+    return ray_cluster  # the one cluster of the test run (conftest.py)
 
 
 def _weights_equal(out: Path) -> list[list[float]]:

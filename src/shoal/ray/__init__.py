@@ -1,21 +1,35 @@
-"""shoal on Ray: Ray Train for Horovod-style training functions.
+"""shoal on Ray (the optional extra ``shoal[ray]``).
 
-``TorchTrainer(..., torch_config=TorchConfig(backend="shoal"))`` needs nothing from here:
-installing shoal registers the backend in every torch process, Ray's workers included.
-:class:`ShoalConfig` and :class:`ShoalTrainer` are for training functions written against
-shoal's (Horovod's) API, ``import shoal.torch as hvd; hvd.init()``: the successors of Ray's
-``HorovodConfig`` and ``HorovodTrainer``, which Ray deprecated. Ray is the optional extra
-``shoal[ray]``.
+* :class:`RayExecutor`: Horovod's ``horovod.ray`` API, its module paths included
+  (``shoal.ray.runner``, ``.strategy``, ``.worker``, ``.utils``, ``.ray_logger``);
+* :class:`ShoalConfig` / :class:`ShoalTrainer`: Ray Train for Horovod-style training
+  functions (``import shoal.torch as hvd; hvd.init()``), the successors of Ray's deprecated
+  ``HorovodConfig``/``HorovodTrainer``. ``TorchTrainer(...,
+  torch_config=TorchConfig(backend="shoal"))`` needs nothing from here: installing shoal
+  registers the backend in every torch process, Ray's workers included;
+* :mod:`shoal.ray.collective`: backend ``"shoal"`` of ``ray.util.collective``.
 """
 
 from __future__ import annotations
 
+import importlib
+from typing import Any
+
 try:
-    import ray.train  # noqa: F401
+    import ray  # noqa: F401
 except ModuleNotFoundError as exc:  # the optional extra is missing
-    raise ModuleNotFoundError(f"shoal.ray needs Ray Train ({exc}); install it with "
+    raise ModuleNotFoundError(f"shoal.ray needs Ray ({exc}); install it with "
                               f"pip install 'shoal[ray]'") from exc
 
-from .train import ShoalConfig, ShoalTrainer
+from .runner import RayExecutor
+from .worker import BaseHorovodWorker
 
-__all__ = ["ShoalConfig", "ShoalTrainer"]
+_LAZY = {"ShoalConfig": ".train", "ShoalTrainer": ".train"}  # Ray Train, imported on use
+
+__all__ = ["BaseHorovodWorker", "RayExecutor", "ShoalConfig", "ShoalTrainer"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,49 @@
+"""Fixtures shared by several test files."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness import free_port_pair
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(tmp_path_factory: pytest.TempPathFactory):
+    """A local Ray cluster of two nodes (a head and a second ``ray start`` node, one CPU
+    each), started once per test run for every Ray test, with this process connected; its
+    address. Token authentication is on (Ray's default for a head): every node and this
+    driver present the token the head writes (the test files set ``RAY_AUTH_MODE=token``
+    before importing Ray, whose client reads it at import)."""
+    import ray
+    ray_cli = shutil.which("ray", path=str(Path(sys.executable).parent)) or shutil.which("ray")
+    if ray_cli is None:
+        pytest.skip("the ray command is not installed")
+    port = free_port_pair()
+    temp = tmp_path_factory.mktemp("ray")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SHOAL_", "RAY_"))}
+    env.update(RAY_USAGE_STATS_ENABLED="0", OMP_NUM_THREADS="1", RAY_AUTH_MODE="token",
+               # the workers unpickle the test files' functions
+               PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).parent),
+                                                        env.get("PYTHONPATH")])))
+    address = f"127.0.0.1:{port}"
+    common = ["--num-cpus", "1", "--disable-usage-stats"]
+    subprocess.run([ray_cli, "start", "--head", "--port", str(port), "--node-ip-address",
+                    "127.0.0.1", "--include-dashboard", "false", "--temp-dir", str(temp),
+                    *common], env=env, check=True, capture_output=True, timeout=120)
+    try:
+        subprocess.run([ray_cli, "start", "--address", address, "--node-ip-address",
+                        "127.0.0.1", *common], env=env, check=True, capture_output=True,
+                       timeout=120)
+        os.environ["RAY_ADDRESS"] = address
+        ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+        yield address
+    finally:
+        ray.shutdown()
+        os.environ.pop("RAY_ADDRESS", None)
+        subprocess.run([ray_cli, "stop", "--force"], env=env, capture_output=True, timeout=120)

@@ -1,0 +1,153 @@
+"""Horovod's Ray API on shoal (``shoal.ray.RayExecutor``) and backend "shoal" of
+``ray.util.collective``, on the test run's local Ray cluster of two nodes (conftest.py), each
+node a shoal host."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+os.environ.setdefault("RAY_AUTH_MODE", "token")  # before Ray's import: see conftest.py
+ray = pytest.importorskip("ray")
+
+pytestmark = pytest.mark.slow
+N = 4
+
+
+def _input(rank: int) -> np.ndarray:
+    return np.random.default_rng(rank).standard_normal(1001).astype(np.float32)
+
+
+def _allreduce(scale: float) -> dict:
+    """In a worker: join shoal as Horovod's scripts do; where this rank sits and its sum."""
+    import shoal.torch as hvd
+    hvd.init()
+    import shoal
+    x = _input(hvd.rank())
+    return {"rank": hvd.rank(), "size": hvd.size(), "local_rank": hvd.local_rank(),
+            "local_size": hvd.local_size(), "cross_rank": hvd.cross_rank(),
+            "host": shoal.communicator().world.hosts[hvd.rank()],
+            "algorithm": shoal.communicator().algorithm,
+            "sum": shoal.allreduce(x * scale, op=shoal.Sum, name="ray.sum"),
+            "env": {k: os.environ.get(k) for k in ("HOROVOD_RANK", "HOROVOD_LOCAL_RANK",
+                                                   "HOROVOD_CROSS_RANK", "HOROVOD_HOSTNAME")}}
+
+
+class _Model:
+    """An executable: made once in each worker by ``start(executable_cls=...)``."""
+
+    def __init__(self, epochs: int) -> None:
+        import shoal.torch as hvd
+        hvd.init()
+        self.hvd, self.epochs = hvd, epochs
+
+    def rank_epochs(self) -> int:
+        from shoal.ray import ray_logger
+        if self.hvd.rank() == 0:
+            ray_logger.log({"epochs": self.epochs})
+        return self.hvd.rank() * self.epochs
+
+
+def test_executor_runs_four_workers_on_two_nodes(ray_cluster: str) -> None:
+    from shoal.ray import RayExecutor
+    settings = RayExecutor.create_settings(timeout_s=60, placement_group_timeout_s=60)
+    executor = RayExecutor(settings, num_hosts=2, num_workers_per_host=2, cpus_per_worker=0.5)
+    executor.start()
+    try:
+        got = executor.run(_allreduce, args=[2.0])
+        want = sum(_input(r) * 2.0 for r in range(N))
+        assert [g["rank"] for g in got] == list(range(N))
+        for g in got:
+            np.testing.assert_allclose(g["sum"], want, rtol=1e-5, atol=1e-5)
+            assert g["size"] == N and g["local_size"] == 2
+            assert g["algorithm"] == "hierarchical"  # two shoal hosts of two ranks each
+            assert g["env"]["HOROVOD_RANK"] == str(g["rank"])
+            assert g["env"]["HOROVOD_LOCAL_RANK"] == str(g["local_rank"])
+        hosts = [g["host"] for g in got]
+        assert hosts[0] == hosts[1] != hosts[2] == hosts[3]  # a host per Ray node
+        assert [g["local_rank"] for g in got] == [0, 1, 0, 1]
+        assert [g["cross_rank"] for g in got] == [0, 0, 1, 1]
+        assert len({g["env"]["HOROVOD_HOSTNAME"] for g in got}) == 2  # the Ray node ids
+        refs = executor.run_remote(lambda: 7)
+        assert ray.get(refs) == [7] * N
+        assert executor.execute_single(lambda _: os.environ["SHOAL_RANK"]) == "0"
+    finally:
+        executor.shutdown()
+
+
+def test_executor_executables_callbacks_and_placement_errors(ray_cluster: str) -> None:
+    from shoal.ray import RayExecutor
+    settings = RayExecutor.create_settings(timeout_s=60, placement_group_timeout_s=60)
+    executor = RayExecutor(settings, num_workers=2, cpus_per_worker=0.5)
+    executor.start(executable_cls=_Model, executable_args=[3])
+    try:
+        logged: list[dict] = []
+        assert executor.execute(lambda model: model.rank_epochs(),
+                                callbacks=[logged.append]) == [0, 3]
+        assert logged == [{"epochs": 3}]  # rank 0's value, through the driver's callback
+    finally:
+        executor.shutdown()
+    with pytest.raises(RuntimeError, match="start"):
+        executor.run(lambda: 1)
+    with pytest.raises(ValueError, match="Both `min_workers` and `num_workers`"):
+        RayExecutor(settings, num_workers=2, min_workers=1)
+    # 4 CPUs on one node: the cluster's nodes have one each
+    tight = RayExecutor(RayExecutor.create_settings(placement_group_timeout_s=2),
+                        num_hosts=1, num_workers_per_host=4)
+    with pytest.raises(TimeoutError, match="placement group"):
+        tight.start()
+    tight.shutdown()
+
+
+@ray.remote(num_cpus=0.25)
+class _Peer:
+    def __init__(self) -> None:
+        import shoal.ray.collective  # noqa: F401 - registers backend "shoal" here
+
+    def run(self, world: int, rank: int) -> dict:
+        import ray.util.collective as col
+        import torch
+        col.init_collective_group(world, rank, backend="shoal", group_name="pair")
+        x = _input(rank)
+        summed = x.copy()
+        col.allreduce(summed, group_name="pair")
+        t = torch.from_numpy(x.copy())
+        col.allreduce(t, group_name="pair", op=col.types.ReduceOp.MAX)
+        gathered = [np.zeros(1001, np.float32) for _ in range(world)]
+        col.allgather(gathered, x.copy(), group_name="pair")
+        b = x.copy()
+        col.broadcast(b, src_rank=1, group_name="pair")
+        mine = np.zeros(3, np.float64)
+        col.reducescatter(mine, [np.full(3, 10.0 * rank + i) for i in range(world)],
+                          group_name="pair")
+        got = np.zeros(5, np.float32)
+        if rank == 0:
+            col.send(np.arange(5, dtype=np.float32), 1, group_name="pair")
+        else:
+            col.recv(got, 0, group_name="pair")
+        col.barrier(group_name="pair")
+        col.destroy_collective_group("pair")
+        return {"sum": summed, "max": t.numpy(), "gathered": gathered, "bcast": b,
+                "rs": mine, "recv": got}
+
+
+def test_ray_collective_backend_shoal(ray_cluster: str) -> None:
+    import shoal.ray.collective  # noqa: F401 - the driver knows the backend too
+    peers = [_Peer.options(scheduling_strategy="SPREAD").remote() for _ in range(2)]
+    try:
+        out = ray.get([p.run.remote(2, r) for r, p in enumerate(peers)], timeout=120)
+    finally:
+        for p in peers:
+            ray.kill(p)
+    xs = [_input(r) for r in range(2)]
+    for rank, o in enumerate(out):
+        np.testing.assert_allclose(o["sum"], xs[0] + xs[1], rtol=1e-6)
+        np.testing.assert_array_equal(o["max"], np.maximum(xs[0], xs[1]))
+        for r in range(2):
+            np.testing.assert_array_equal(o["gathered"][r], xs[r])
+        np.testing.assert_array_equal(o["bcast"], xs[1])
+        np.testing.assert_array_equal(o["rs"], np.full(3, 10.0 * 0 + rank + 10.0 * 1 + rank))
+    np.testing.assert_array_equal(out[1]["recv"], np.arange(5, dtype=np.float32))
