@@ -133,3 +133,40 @@ def test_workers_of_a_world_that_cannot_form_are_stopped(tmp_path: Path) -> None
     assert _fields(records) == [(0, 2, "localhost", 1)] * 3
     assert "training finished before world 2 formed: stopping worker 127.0.0.1:0" in stderr
     assert "job finished (2 workers exited 0)" in stderr
+
+
+HOP = r"""
+import os, sys, time
+from pathlib import Path
+import shoal.torch as hvd
+
+marker, me = Path(sys.argv[1]), os.environ["SHOAL_ELASTIC_ID"]
+if me == "localhost:0":
+    marker.write_text("1")  # discovery now says 3 slots: a third world is coming
+elif me == "localhost:1":
+    time.sleep(3)  # still starting when the world it was named in is replaced
+hvd.init()
+print("joined", me, hvd.rank(), hvd.size(), flush=True)
+hvd.shutdown()
+"""
+
+
+def test_a_world_replaced_while_its_members_meet(tmp_path: Path) -> None:
+    """Worker 0 waits for worker 1 in world 1 when discovery grows the job: it gives up on
+    world 1 and meets everyone in world 2 (before, it waited out its start timeout)."""
+    marker = tmp_path / "grown"
+    script = tmp_path / "discover.sh"
+    script.write_text(f'#!/bin/sh\nif [ -f {marker} ]; then echo localhost:3; '
+                      f'else echo localhost:2; fi\n')
+    script.chmod(0o755)
+    main = tmp_path / "hop.py"
+    main.write_text(HOP)
+    proc = subprocess.run([sys.executable, "-m", "shoal.runner", "-np", "2", "--min-np", "2",
+                           "--max-np", "3", "--host-discovery-script", str(script),
+                           "--discovery-interval", "0.2", sys.executable, str(main),
+                           str(marker)], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env={**_env(), "SHOAL_START_TIMEOUT_S": "60"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    joined = sorted(line.split()[-3:] for line in proc.stdout.splitlines() if "joined" in line)
+    assert joined == [["localhost:0", "0", "3"], ["localhost:1", "1", "3"],
+                      ["localhost:2", "2", "3"]], proc.stdout + proc.stderr

@@ -151,3 +151,54 @@ def test_ray_collective_backend_shoal(ray_cluster: str) -> None:
         np.testing.assert_array_equal(o["bcast"], xs[1])
         np.testing.assert_array_equal(o["rs"], np.full(3, 10.0 * 0 + rank + 10.0 * 1 + rank))
     np.testing.assert_array_equal(out[1]["recv"], np.arange(5, dtype=np.float32))
+
+
+def _elastic_train(epochs: int) -> dict:
+    """Horovod's elastic training function; the worker that started as rank 1 fails once,
+    in epoch 2."""
+    import torch
+
+    import shoal.torch as hvd
+    from shoal.ray import ray_logger
+    hvd.init()
+    model = torch.nn.Linear(4, 1)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    start_rank = int(os.environ["HOROVOD_RANK"])
+    ray_logger.log({"started": start_rank})
+
+    @hvd.elastic.run
+    def train(state: hvd.elastic.TorchState) -> None:
+        while state.epoch < epochs:
+            if state.epoch == 2 and start_rank == 1:
+                raise RuntimeError("a planned failure of the worker that started as rank 1")
+            x = torch.full((8, 4), float(hvd.rank() + 1))
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+            state.epoch += 1
+            state.commit()
+
+    state = hvd.elastic.TorchState(model, opt, epoch=0)
+    train(state)
+    return {"start_rank": start_rank, "size": hvd.size(), "epoch": state.epoch,
+            "host": os.environ["SHOAL_HOSTNAME"]}
+
+
+def test_elastic_executor_finishes_at_the_smaller_size(ray_cluster: str) -> None:
+    from shoal.ray import RayExecutor
+    settings = RayExecutor.create_settings(timeout_s=60)
+    executor = RayExecutor(settings, min_workers=1, max_workers=2, cpus_per_worker=1,
+                           elastic_timeout=60)
+    executor.start()
+    logged: list[dict] = []
+    try:
+        results = executor.run(_elastic_train, args=[5], callbacks=[logged.append])
+    finally:
+        executor.shutdown()
+    # the two Ray nodes share one address yet are two hosts; the failure blacklisted the
+    # failed worker's host, and the other finished alone
+    assert len(results) == 1, results
+    assert results[0]["start_rank"] == 0 and results[0]["size"] == 1
+    assert results[0]["epoch"] == 5
+    assert sorted(e["started"] for e in logged) == [0, 1]

@@ -27,7 +27,7 @@ from .communicator import Communicator, local_address
 from .errors import AuthenticationError, NotInitializedError
 from .rendezvous import StoreClient, StoreClosedError, StoreServer
 from .runtime import RUNTIME
-from .store import PrefixStore
+from .store import PrefixStore, Store
 
 __all__ = [
     "Handle",
@@ -226,7 +226,10 @@ def _join(info: topology.LaunchInfo, cfg: config.Config, serving: bool,
         bind = cfg.bind_addr or local_address(info.rendezvous_addr, info.rendezvous_port)
         # a derived secret (none was given) only keeps jobs apart at the store: the data
         # ports get one agreed through it instead, never written there readable
-        return Communicator.create(PrefixStore(store, prefix), info.rank, info.size, cfg=cfg,
+        met: Store = PrefixStore(store, prefix)
+        if RUNTIME.store_guard is not None:
+            met = RUNTIME.store_guard(met)
+        return Communicator.create(met, info.rank, info.size, cfg=cfg,
                                    hostname=info.hostname,
                                    secret=None if info.secret_is_derived else info.secret,
                                    job_id=info.job_id, bind_addr=bind, closers=closers)

@@ -39,9 +39,10 @@ from typing import Any, TypeVar
 
 from . import api
 from .auth import secret_bytes
-from .errors import CollectiveMismatchError, ShoalError, ShoalTimeoutError
+from .errors import CollectiveMismatchError, RendezvousError, ShoalError, ShoalTimeoutError
 from .host_updates import HostUpdateResult, Notifier, update_result
 from .runtime import RUNTIME
+from .store import Store
 
 __all__ = ["ELASTIC_ID_VAR", "FORMED_KEY", "WORLD_KEY", "HostUpdateResult", "HostsUpdatedInterrupt",
            "ObjectState", "State", "WorldPlan", "elastic_job", "join_world", "reset", "run_fn",
@@ -117,8 +118,8 @@ def _drop_store() -> None:
 
 def _read_plan(store: Any) -> WorldPlan | None:
     try:
-        with _store_lock:
-            data = store.get(WORLD_KEY, 0.5)
+        with _store_lock:  # none yet (a worker may start before the first world): None
+            data = store.try_get(WORLD_KEY)
     except (ShoalTimeoutError, TimeoutError, KeyError):
         return None
     except Exception:  # the connection broke: the next call connects again
@@ -152,21 +153,32 @@ def join_world(timeout: float | None = None) -> WorldPlan:
     wait = timeout if timeout is not None else float(
         os.environ.get("SHOAL_ELASTIC_TIMEOUT_S", "600"))
     deadline = time.monotonic() + wait
+    newest = RUNTIME.elastic_version
     while True:
         plan = _read_plan(_store())
-        if plan is not None and plan.version > RUNTIME.elastic_version and me in plan.members:
-            break
+        if plan is not None and plan.version > newest and me in plan.members:
+            rank = plan.members.index(me)
+            host = plan.hosts[rank]
+            local = [i for i, h in enumerate(plan.hosts) if h == host]
+            base = os.environ.get("SHOAL_JOB_ID", "elastic")
+            # a world may be replaced while its members meet (a worker still starting when
+            # the hosts changed again): the meeting gives up then, and this joins the newer
+            RUNTIME.store_guard = functools.partial(_WorldGuard, version=plan.version)
+            try:
+                api.init(rank=rank, size=len(plan.members), local_rank=local.index(rank),
+                         local_size=len(local), hostname=host,
+                         job_id=f"{base}-w{plan.version}",
+                         store_prefix=f"elastic/w{plan.version}", serve_store=False)
+                break
+            except WorldSupersededError as exc:
+                _log.info("elastic worker %s: %s", me, exc)
+                newest = plan.version
+            finally:
+                RUNTIME.store_guard = None
         if time.monotonic() > deadline:
             raise ShoalTimeoutError(f"elastic worker {me}: no world named it within "
                                     f"{wait:g}s (the driver dropped it?)")
         time.sleep(0.05)
-    rank = plan.members.index(me)
-    host = plan.hosts[rank]
-    local = [i for i, h in enumerate(plan.hosts) if h == host]
-    base = os.environ.get("SHOAL_JOB_ID", "elastic")
-    api.init(rank=rank, size=len(plan.members), local_rank=local.index(rank),
-             local_size=len(local), hostname=host, job_id=f"{base}-w{plan.version}",
-             store_prefix=f"elastic/w{plan.version}", serve_store=False)
     if rank == 0:  # every member has joined: init returns only then
         with contextlib.suppress(Exception), _store_lock:
             _store().set(FORMED_KEY, str(plan.version).encode())
@@ -175,6 +187,52 @@ def join_world(timeout: float | None = None) -> WorldPlan:
         _export_horovod_env(plan, rank, local.index(rank), len(local))
     RUNTIME.elastic_version, _joined = plan.version, plan.members
     return plan
+
+
+class WorldSupersededError(ShoalError):
+    """The driver published a newer world while this worker met the others of an older
+    one."""
+
+
+class _WorldGuard(Store):
+    """The store a world's members meet at, which gives up a wait (WorldSupersededError)
+    once the driver has published a newer world: some members will never come."""
+
+    SLICE_S = 0.25
+
+    def __init__(self, inner: Store, version: int) -> None:
+        self.inner, self.version = inner, version
+
+    def set(self, key: str, value: bytes) -> None:
+        self.inner.set(key, value)
+
+    def try_get(self, key: str) -> bytes | None:
+        return self.inner.try_get(key)
+
+    def add(self, key: str, delta: int) -> int:
+        return self.inner.add(key, delta)
+
+    def delete(self, key: str) -> bool:
+        return self.inner.delete(key)
+
+    def get(self, key: str, timeout: float | None = None) -> bytes:
+        from .rendezvous import StoreClosedError
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = self.SLICE_S if deadline is None else min(self.SLICE_S,
+                                                             deadline - time.monotonic())
+            try:
+                return self.inner.get(key, max(left, 0.01))
+            except RendezvousError as exc:
+                if isinstance(exc, StoreClosedError):
+                    raise
+                plan = _read_plan(_store())
+                if plan is not None and plan.version > self.version:
+                    raise WorldSupersededError(
+                        f"world {self.version} was replaced by world {plan.version} before "
+                        f"its members met (waiting for {key!r})") from None
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise
 
 
 def _export_horovod_env(plan: WorldPlan, rank: int, local_rank: int, local_size: int) -> None:

@@ -40,6 +40,8 @@ class Runtime:
     #: an elastic worker's connection to the driver's store, and the world version it joined
     elastic_store: Any = None
     elastic_version: int = -1
+    #: wraps the store an init meets at (an elastic worker's gives up on a superseded world)
+    store_guard: Any = None
     #: settings overridden in this process (:func:`shoal.core.config.override`)
     overrides: dict[str, Any] = field(default_factory=dict)
     #: what was said once per process (warnings that would repeat on every init)

@@ -1,7 +1,8 @@
 """shoal on Ray (the optional extra ``shoal[ray]``).
 
-* :class:`RayExecutor`: Horovod's ``horovod.ray`` API, its module paths included
-  (``shoal.ray.runner``, ``.strategy``, ``.worker``, ``.utils``, ``.ray_logger``);
+* :class:`RayExecutor` (elastic with ``min_workers=``; :class:`ElasticRayExecutor`):
+  Horovod's ``horovod.ray`` API, its module paths included (``shoal.ray.runner``,
+  ``.strategy``, ``.worker``, ``.utils``, ``.elastic_v2``, ``.ray_logger``);
 * :class:`ShoalConfig` / :class:`ShoalTrainer`: Ray Train for Horovod-style training
   functions (``import shoal.torch as hvd; hvd.init()``), the successors of Ray's deprecated
   ``HorovodConfig``/``HorovodTrainer``. ``TorchTrainer(...,
@@ -24,9 +25,11 @@ except ModuleNotFoundError as exc:  # the optional extra is missing
 from .runner import RayExecutor
 from .worker import BaseHorovodWorker
 
-_LAZY = {"ShoalConfig": ".train", "ShoalTrainer": ".train"}  # Ray Train, imported on use
+_LAZY = {"ShoalConfig": ".train", "ShoalTrainer": ".train",  # Ray Train, imported on use
+         "ElasticRayExecutor": ".elastic_v2"}
 
-__all__ = ["BaseHorovodWorker", "RayExecutor", "ShoalConfig", "ShoalTrainer"]
+__all__ = ["BaseHorovodWorker", "ElasticRayExecutor", "RayExecutor", "ShoalConfig",
+           "ShoalTrainer"]
 
 
 def __getattr__(name: str) -> Any:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 __all__ = ["Adapter", "BaseParams"]
 
@@ -18,6 +18,9 @@ class BaseParams:
     cpus_per_worker: float = 1
     use_gpu: bool = False
     gpus_per_worker: float | None = None
+    #: whether the job is elastic, and the :class:`Adapter` that runs it (per subclass)
+    elastic: ClassVar[bool] = False
+    adapter: ClassVar[type[Adapter]]
 
     def __post_init__(self) -> None:
         if self.gpus_per_worker and not self.use_gpu:
@@ -44,10 +47,11 @@ class Adapter(ABC):
                 ) -> list[Any]:
         """``fn(executable)`` on every worker; the results in rank order."""
 
-    @abstractmethod
     def run(self, fn: Callable[..., Any], args: list | None = None, kwargs: dict | None = None,
             callbacks: list[Callable] | None = None) -> list[Any]:
         """``fn(*args, **kwargs)`` on every worker; the results in rank order."""
+        args, kwargs = list(args or []), dict(kwargs or {})
+        return self.execute(lambda _: fn(*args, **kwargs), callbacks)
 
     @abstractmethod
     def run_remote(self, fn: Callable[..., Any], args: list | None = None,

@@ -15,7 +15,7 @@ rendezvous store itself, makes a fresh job secret, and gives each worker the env
 ``hvd.init()`` reads: its rank, its Ray node as its shoal host (``SHOAL_HOSTNAME``), so ranks
 on one node share memory and ranks on different nodes meet over TCP (several Ray nodes on one
 machine are several hosts), its local rank among the node's workers, and Horovod's
-``HOROVOD_*`` variables.
+``HOROVOD_*`` variables. With ``min_workers`` it is elastic (:mod:`shoal.ray.elastic_v2`).
 Under Ray Client (``ray.init("ray://...")``) the adapter runs as an actor in the cluster, so
 the store is reachable from the workers.
 """
@@ -148,14 +148,6 @@ class StaticParams(BaseParams):
     num_workers_per_host: int = 1
     use_current_placement_group: bool = True
 
-    @property
-    def elastic(self) -> bool:
-        return False
-
-    @property
-    def adapter(self) -> type[Adapter]:
-        return StaticAdapter
-
 
 class RayExecutor:
     """Horovod's job on Ray workers: ``start`` them, ``run``/``execute`` functions on all of
@@ -168,8 +160,9 @@ class RayExecutor:
         cpus_per_worker, use_gpu, gpus_per_worker: each worker's Ray resources.
         use_current_placement_group: inside a placement group, place the workers in it.
         min_workers, max_workers, reset_limit, cooldown_range, elastic_timeout,
-        override_discovery: Horovod's elastic arguments (elastic Ray jobs are not in this
-            build: NotImplementedError).
+        override_discovery: an elastic job (:mod:`shoal.ray.elastic_v2`): workers come and
+            go with the cluster's nodes; ``run`` a training function that wraps its loop in
+            ``hvd.elastic.run``.
     """
 
     @classmethod
@@ -200,14 +193,18 @@ class RayExecutor:
         if num_workers is not None and num_hosts is not None:
             raise ValueError("pass num_workers or num_hosts, not both")
         if min_workers is not None:
-            raise NotImplementedError("RayExecutor(min_workers=...): elastic Ray jobs are not "
-                                      "in this build; run elastic jobs with shoalrun "
-                                      "--min-np/--max-np")
-        self.params: Any = StaticParams(
-            num_workers=num_workers, num_hosts=num_hosts,
-            num_workers_per_host=num_workers_per_host, cpus_per_worker=cpus_per_worker,
-            use_gpu=use_gpu, gpus_per_worker=gpus_per_worker,
-            use_current_placement_group=use_current_placement_group)
+            from .elastic_v2 import ElasticParams
+            self.params: Any = ElasticParams(
+                min_workers=min_workers, max_workers=max_workers, reset_limit=reset_limit,
+                cooldown_range=cooldown_range, elastic_timeout=elastic_timeout,
+                override_discovery=override_discovery, cpus_per_worker=cpus_per_worker,
+                use_gpu=use_gpu, gpus_per_worker=gpus_per_worker)
+        else:
+            self.params = StaticParams(
+                num_workers=num_workers, num_hosts=num_hosts,
+                num_workers_per_host=num_workers_per_host, cpus_per_worker=cpus_per_worker,
+                use_gpu=use_gpu, gpus_per_worker=gpus_per_worker,
+                use_current_placement_group=use_current_placement_group)
         self.settings = settings
         self.settings.elastic = self.params.elastic
         self.adapter: Any = None
@@ -362,11 +359,6 @@ class StaticAdapter(Adapter):
                 ray.get(self.workers[0].set_queue.remote(None))
                 queue.shutdown()
 
-    def run(self, fn: Callable[..., Any], args: list | None = None, kwargs: dict | None = None,
-            callbacks: list[Callable] | None = None) -> list[Any]:
-        args, kwargs = list(args or []), dict(kwargs or {})
-        return self.execute(lambda _: fn(*args, **kwargs), callbacks)
-
     def run_remote(self, fn: Callable[..., Any], args: list | None = None,
                    kwargs: dict | None = None) -> list[Any]:
         args, kwargs = list(args or []), dict(kwargs or {})
@@ -387,3 +379,6 @@ class StaticAdapter(Adapter):
             self.strategy.shutdown()
         if self.coordinator is not None:
             self.coordinator.close()
+
+
+StaticParams.adapter = StaticAdapter

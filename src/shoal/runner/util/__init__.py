@@ -1,3 +1,4 @@
-"""``horovod.runner.util``: thread helpers (:mod:`.threads`)."""
+"""``horovod.runner.util``: thread helpers (:mod:`.threads`) and the driver's address
+(:mod:`.network`)."""
 
-__all__ = ["threads"]
+__all__ = ["network", "threads"]
