@@ -240,3 +240,23 @@ def test_ddp_bench_alternates_both_backends_in_one_job_and_compares_weights(tmp_
     from shoal.bench.ddp import section
     text = "\n".join(section({"results": [res]}))
     assert "| 2 | small-cnn | 16, 4 |" in text
+
+
+def test_tiny_loader_run(tmp_path) -> None:
+    """``shoal bench loader`` on a few dozen photographs, both pipelines, with and without
+    AutoAugment: a rate for each, and its BENCHMARKS.md section."""
+    from shoal.bench.loader import section
+    out = tmp_path / "loader.json"
+    frameworks = "torch,tensorflow" if importlib.util.find_spec("tensorflow") else "torch"
+    proc = subprocess.run([sys.executable, "-m", "shoal.cli", "bench", "loader", "--data",
+                           str(tmp_path / "photos"), "--records", "40", "--trials", "1",
+                           "--images", "32", "--frameworks", frameworks, "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = json.loads(out.read_text())
+    rows = {(r["framework"], r["augmenter"]): r for r in data["results"]}
+    assert set(rows) == {(f, a) for f in frameworks.split(",") for a in ("none", "autoaugment")}
+    assert all(r["images_per_s"] > 0 and len(r["trials"]) == 1 for r in rows.values())
+    assert len(list((tmp_path / "photos").glob("train-*"))) == 8
+    text = "\n".join(section(data))
+    assert "| torch | none |" in text and "target 400 images/s" in text

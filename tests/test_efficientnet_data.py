@@ -295,3 +295,37 @@ def test_unwritable_environment_is_not_needed(tmp_path, monkeypatch):
     with pytest.warns(UserWarning, match="could not write the record index"):
         assert record_counts(files) == [3, 3]
     assert sorted(os.listdir(tmp_path)) == ["train-00000-of-00002", "train-00001-of-00002"]
+
+
+def test_reduced_decode_crops_the_same_region():
+    """A JPEG decoded at a reduced DCT scale gives the crop of the same region as the full
+    decode (the same box), with pixels within a small tolerance; large crops get reduced."""
+    import random
+
+    import numpy as np
+
+    from apps.efficientnet.dataloader.augment import (
+        _random_crop_box,
+        eval_jpeg,
+        open_for_crop,
+        train_jpeg,
+    )
+    from apps.efficientnet.dataloader.photos import photo_jpegs
+    jpegs, _ = photo_jpegs(24, seed=3)
+    reduced = 0
+    for i, data in enumerate(jpegs):
+        def box_of(w, h, i=i):
+            return _random_crop_box(w, h, random.Random(i), 0.08)
+        full_img, full_box, box = open_for_crop(data, box_of, 96, reduce=False)
+        small_img, small_box, same = open_for_crop(data, box_of, 96, reduce=True)
+        assert box == same == full_box  # the crop, in the full image's pixels
+        factor = full_img.width / small_img.width
+        reduced += factor > 1.5
+        np.testing.assert_allclose(np.array(small_box) * round(factor), box)
+        a = train_jpeg(data, 96, random.Random(i), reduce=False).numpy().astype(int)
+        b = train_jpeg(data, 96, random.Random(i), reduce=True).numpy().astype(int)
+        assert np.abs(a - b).mean() < 6.0, i  # DCT scaling vs bicubic: close, not equal
+        e_full = eval_jpeg(data, 64, reduce=False).numpy().astype(int)
+        e_small = eval_jpeg(data, 64, reduce=True).numpy().astype(int)
+        assert np.abs(e_full - e_small).mean() < 6.0, i
+    assert reduced >= len(jpegs) // 3  # most crops of a 500x375 photo allow 1/2 at 96 px

@@ -71,7 +71,7 @@ def _flags(data_dir: str, model_dir: str, epochs: int, *extra: str) -> list[str]
             "--lr_warmup_epochs", "1", "--weight_decay", "1e-4", "--mixup_alpha", "0.2",
             "--moving_average_decay", "0.5", "--batch_norm", "syncbn", "--bn_momentum", "0.6",
             "--save_checkpoint_freq", "1", "--log_steps", "0", "--model_dir", model_dir,
-            *extra]
+            "--augmenter_name", "none", *extra]  # (AutoAugment by default: too strong here)
 
 
 def _train_and_resume(rank: int, data_dir: str, root: str) -> dict:
@@ -106,3 +106,40 @@ def test_keras_app_trains_and_resumes_identically(digits: Path, tmp_path: Path) 
         "ckpt-000000008.npz", "ckpt-000000016.npz", "ckpt-000000024.npz", "log.json"]
     assert results[0]["eval"]["checkpoint"] == str(tmp_path / "straight" / "ckpt-000000024.npz")
     assert results[0]["eval"]["eval_accuracy_top_1"] == straight["eval_accuracy_top_1"]
+
+
+def _augmenters(rank: int, data_dir: str) -> dict:
+    import random
+
+    import tensorflow as tf
+    from PIL import Image
+
+    from apps.efficientnet.config import parse_args
+    from apps.efficientnet.dataloader.augment import make_augmenter
+    from apps.efficientnet.keras import data as kdata
+    out = {}
+    for name in ("none", "autoaugment", "randaugment"):
+        args = parse_args(["--framework", "tensorflow", "--data_dir", data_dir,
+                           "--augmenter_name", name, "--train_batch_size", "8",
+                           "--max_epochs", "1"])
+        images, _ = next(iter(kdata.train_dataset(args, 0, 1, 32, 1, 0)))
+        out[name] = images.numpy()
+    # the op is the application's Pillow augmenter, seeded by the pipeline's seed
+    image = np.asarray(out["none"][0]).round().astype(np.uint8)
+    seed = np.array([5, 9], np.int64)
+    got = kdata.augmented(tf.constant(image, tf.float32), tf.constant(seed), "autoaugment",
+                          2, 10.0).numpy()
+    want = make_augmenter("autoaugment")(Image.fromarray(image),
+                                         random.Random(5 * 1_000_003 + 9))
+    out["op"] = (got, np.asarray(want, np.float32))
+    return out
+
+
+def test_keras_path_applies_the_named_augmenter(digits: Path) -> None:
+    (out,) = run_ranks(_augmenters, 1, str(digits), timeout=120)
+    none, auto, rand = out["none"], out["autoaugment"], out["randaugment"]
+    assert none.shape == auto.shape == rand.shape == (8, 32, 32, 3)
+    # the same crops and flips, then the augmenter: some images changed, differently
+    assert not np.array_equal(none, auto) and not np.array_equal(auto, rand)
+    got, want = out["op"]
+    np.testing.assert_array_equal(got, want)

@@ -20,6 +20,7 @@ _BENCH = {
     "fsdp": "FSDP2 training steps over backend shoal vs over gloo, side by side",
     "ddp": "stock DDP training steps over backend shoal vs over gloo, side by side",
     "elastic": "an elastic job losing a worker: seconds from the kill to the next step",
+    "loader": "images/s of one loader worker on ImageNet-sized photographs (source checkout)",
     "report": "regenerate BENCHMARKS.md and its plots from the JSON results",
 }
 

@@ -15,13 +15,17 @@ import io
 import math
 import random
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 from PIL import Image, ImageDraw, ImageEnhance, ImageOps
 
-__all__ = ["AUTOAUGMENT_POLICY", "OPS", "AutoAugment", "RandAugment", "decode",
-           "eval_image", "make_augmenter", "to_tensor", "train_image"]
+if TYPE_CHECKING:  # torch only where tensors are made: the Keras path uses the augmenters
+    import torch
+
+__all__ = ["AUTOAUGMENT_POLICY", "OPS", "AutoAugment", "RandAugment", "decode", "eval_image",
+           "eval_jpeg", "make_augmenter", "open_for_crop", "to_tensor", "train_image",
+           "train_jpeg"]
 
 MAX_LEVEL = 10.0
 _FILL = (128, 128, 128)
@@ -155,6 +159,7 @@ def decode(data: bytes) -> Image.Image:
 
 def to_tensor(img: Image.Image) -> torch.Tensor:
     """``uint8`` CHW tensor of an RGB image."""
+    import torch
     return torch.from_numpy(np.asarray(img, dtype=np.uint8).copy()).permute(2, 0, 1)
 
 
@@ -173,22 +178,73 @@ def _random_crop_box(w: int, h: int, rng: random.Random, min_scale: float
     return (w - side) // 2, (h - side) // 2, (w + side) // 2, (h + side) // 2
 
 
-def train_image(img: Image.Image, size: int, rng: random.Random, min_scale: float = 0.08,
-                flip: bool = True, augmenter: Augmenter | None = None) -> torch.Tensor:
-    """Random resized crop to ``size``, random flip, augmenter: a ``uint8`` CHW tensor."""
-    box = _random_crop_box(img.width, img.height, rng, min_scale)
+Box = tuple[float, float, float, float]
+
+
+def open_for_crop(data: bytes, box_of: Callable[[int, int], Box], size: int,
+                  reduce: bool = True) -> tuple[Image.Image, Box, Box]:
+    """Decode ``data`` for a crop resized to ``size``: ``(image, box in its pixels, box in
+    the full image's pixels)``, where ``box_of(width, height)`` picks the crop on the full
+    image. With ``reduce`` a JPEG is decoded at the smallest of its scales (1/1, 1/2, 1/4,
+    1/8: libjpeg's DCT scaling, a fraction of the work) that still leaves the crop at least
+    ``size`` pixels a side; the crop is the same region either way."""
+    img = Image.open(io.BytesIO(data))
+    w, h = img.size
+    box = box_of(w, h)
+    factor = 1
+    if reduce and img.format == "JPEG":
+        scale = min(box[2] - box[0], box[3] - box[1]) / size
+        if scale >= 2:
+            img.draft("RGB", (math.ceil(w / scale), math.ceil(h / scale)))
+            # scaling by 1/d maps pixel x to x/d (the last row and column round up)
+            factor = max(1, round(w / img.size[0]))
+    img = img.convert("RGB")
+    return img, tuple(v / factor for v in box), box  # type: ignore[return-value]
+
+
+def _finish(img: Image.Image, size: int, box: Box, rng: random.Random | None, flip: bool,
+            augmenter: Augmenter | None) -> torch.Tensor:
     img = img.resize((size, size), Image.Resampling.BICUBIC, box=box)
-    if flip and rng.random() < 0.5:
+    if rng is not None and flip and rng.random() < 0.5:
         img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-    if augmenter is not None:
+    if rng is not None and augmenter is not None:
         img = augmenter(img, rng)
     return to_tensor(img)
 
 
+def train_image(img: Image.Image, size: int, rng: random.Random, min_scale: float = 0.08,
+                flip: bool = True, augmenter: Augmenter | None = None) -> torch.Tensor:
+    """Random resized crop to ``size``, random flip, augmenter: a ``uint8`` CHW tensor."""
+    box = _random_crop_box(img.width, img.height, rng, min_scale)
+    return _finish(img, size, box, rng, flip, augmenter)
+
+
+def train_jpeg(data: bytes, size: int, rng: random.Random, min_scale: float = 0.08,
+               flip: bool = True, augmenter: Augmenter | None = None,
+               reduce: bool = True) -> torch.Tensor:
+    """:func:`train_image` of encoded ``data`` (the same crop for the same ``rng``), decoded
+    at a reduced scale where the crop allows (:func:`open_for_crop`)."""
+    img, box, _ = open_for_crop(
+        data, lambda w, h: _random_crop_box(w, h, rng, min_scale), size, reduce)
+    return _finish(img, size, box, rng, flip, augmenter)
+
+
+def _central_box(fraction: float) -> Callable[[int, int], Box]:
+    def box(w: int, h: int) -> Box:
+        side = min(w, h) * fraction
+        left, top = (w - side) / 2, (h - side) / 2
+        return left, top, left + side, top + side
+    return box
+
+
 def eval_image(img: Image.Image, size: int, crop_fraction: float = 0.875) -> torch.Tensor:
     """Central crop of ``crop_fraction`` of the shorter side, resized to ``size``."""
-    side = min(img.width, img.height) * crop_fraction
-    left, top = (img.width - side) / 2, (img.height - side) / 2
-    img = img.resize((size, size), Image.Resampling.BICUBIC,
-                     box=(left, top, left + side, top + side))
-    return to_tensor(img)
+    return _finish(img, size, _central_box(crop_fraction)(img.width, img.height), None,
+                   False, None)
+
+
+def eval_jpeg(data: bytes, size: int, crop_fraction: float = 0.875,
+              reduce: bool = True) -> torch.Tensor:
+    """:func:`eval_image` of encoded ``data``, decoded at a reduced scale where it can."""
+    img, box, _ = open_for_crop(data, _central_box(crop_fraction), size, reduce)
+    return _finish(img, size, box, None, False, None)

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from .augment import decode, eval_image, make_augmenter, train_image
+from .augment import eval_jpeg, make_augmenter, train_jpeg
 from .example import parse_image_record
 from .files import find_split
 from .index import Span, Team, assign, record_counts
@@ -46,18 +46,20 @@ class Preprocess:
     raug_num_layers: int = 2
     raug_magnitude: float = 10.0
     crop_fraction: float = 0.875
+    #: decode JPEGs at a reduced scale where the crop allows (augment.open_for_crop)
+    reduced_decode: bool = True
 
     @functools.cached_property
     def _augmenter(self) -> Any:
         return make_augmenter(self.augmenter, self.raug_num_layers, self.raug_magnitude)
 
     def __call__(self, data: bytes, rng: random.Random) -> torch.Tensor:
-        """Decode ``data`` and crop / augment it into a ``uint8`` CHW tensor."""
-        img = decode(data)
+        """Decode ``data`` and crop / augment it into a ``uint8`` CHW tensor (a JPEG at the
+        smallest scale its crop allows)."""
         if not self.training:
-            return eval_image(img, self.image_size, self.crop_fraction)
-        return train_image(img, self.image_size, rng, self.min_scale, self.flip,
-                           self._augmenter)
+            return eval_jpeg(data, self.image_size, self.crop_fraction, self.reduced_decode)
+        return train_jpeg(data, self.image_size, rng, self.min_scale, self.flip,
+                          self._augmenter, self.reduced_decode)
 
 
 def stream_position(worker: int, workers: int, batches: int, batch_size: int

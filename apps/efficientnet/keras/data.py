@@ -21,8 +21,8 @@ from apps.efficientnet.dataloader.files import find_split
 from apps.efficientnet.dataloader.index import assign, record_counts
 from apps.efficientnet.dataloader.storage import is_url
 
-__all__ = ["decode", "eval_dataset", "eval_image", "read_split", "train_dataset",
-           "train_image"]
+__all__ = ["augmented", "decode", "eval_dataset", "eval_image", "eval_jpeg", "parse",
+           "read_split", "train_dataset", "train_image", "train_jpeg"]
 
 _AUTOTUNE = tf.data.AUTOTUNE
 
@@ -45,38 +45,102 @@ def _records(files: list[str], rank: int, size: int, by_file: bool) -> tf.data.D
     return data
 
 
-def decode(record: tf.Tensor, label_offset: int) -> tuple[tf.Tensor, tf.Tensor]:
-    """``(uint8 HWC image, int32 label)`` of an ImageNet-layout Example (JPEG decoded with
-    the accurate integer DCT, as Pillow does)."""
+def parse(record: tf.Tensor, label_offset: int) -> tuple[tf.Tensor, tf.Tensor]:
+    """``(encoded JPEG, int32 label)`` of an ImageNet-layout Example."""
     f = tf.io.parse_single_example(record, {
         "image/encoded": tf.io.FixedLenFeature([], tf.string),
         "image/class/label": tf.io.FixedLenFeature([], tf.int64)})
-    image = tf.io.decode_jpeg(f["image/encoded"], channels=3, dct_method="INTEGER_ACCURATE")
-    return image, tf.cast(f["image/class/label"] - label_offset, tf.int32)
+    return f["image/encoded"], tf.cast(f["image/class/label"] - label_offset, tf.int32)
+
+
+def decode(record: tf.Tensor, label_offset: int) -> tuple[tf.Tensor, tf.Tensor]:
+    """``(uint8 HWC image, int32 label)`` of an ImageNet-layout Example (JPEG decoded with
+    the accurate integer DCT, as Pillow does)."""
+    encoded, label = parse(record, label_offset)
+    return tf.io.decode_jpeg(encoded, channels=3, dct_method="INTEGER_ACCURATE"), label
+
+
+def _decode_crop(encoded: tf.Tensor, top: tf.Tensor, left: tf.Tensor, height: tf.Tensor,
+                 width: tf.Tensor) -> tf.Tensor:
+    """The window of a JPEG, decoding only the blocks it covers (the same pixels as a full
+    decode, then the crop)."""
+    return tf.image.decode_and_crop_jpeg(encoded, tf.stack([top, left, height, width]),
+                                         channels=3, dct_method="INTEGER_ACCURATE")
+
+
+def _central(shape: tf.Tensor, crop_fraction: float) -> tuple[tf.Tensor, ...]:
+    side = tf.cast(tf.cast(tf.minimum(shape[0], shape[1]), tf.float32) * crop_fraction, tf.int32)
+    return (shape[0] - side) // 2, (shape[1] - side) // 2, side, side
+
+
+def _resized(crop: tf.Tensor, size: int) -> tf.Tensor:
+    return tf.clip_by_value(tf.image.resize(crop, [size, size], "bicubic"), 0.0, 255.0)
 
 
 def eval_image(image: tf.Tensor, size: int, crop_fraction: float) -> tf.Tensor:
     """Central crop of ``crop_fraction`` of the shorter side, resized (bicubic) to ``size``."""
-    shape = tf.shape(image)
-    side = tf.cast(tf.cast(tf.minimum(shape[0], shape[1]), tf.float32) * crop_fraction, tf.int32)
-    top, left = (shape[0] - side) // 2, (shape[1] - side) // 2
-    crop = tf.image.crop_to_bounding_box(image, top, left, side, side)
-    return tf.clip_by_value(tf.image.resize(crop, [size, size], "bicubic"), 0.0, 255.0)
+    top, left, h, w = _central(tf.shape(image), crop_fraction)
+    return _resized(tf.image.crop_to_bounding_box(image, top, left, h, w), size)
+
+
+def eval_jpeg(encoded: tf.Tensor, size: int, crop_fraction: float) -> tf.Tensor:
+    """:func:`eval_image` of an encoded JPEG, decoding only the crop."""
+    return _resized(_decode_crop(encoded, *_central(tf.image.extract_jpeg_shape(encoded),
+                                                    crop_fraction)), size)
+
+
+def _train_box(shape: tf.Tensor, seed: tf.Tensor, min_scale: float
+               ) -> tuple[tf.Tensor, tf.Tensor]:
+    begin, extent, _ = tf.image.stateless_sample_distorted_bounding_box(
+        shape, tf.constant([[[0.0, 0.0, 1.0, 1.0]]]), seed=seed,
+        min_object_covered=0.0, aspect_ratio_range=(3 / 4, 4 / 3),
+        area_range=(min_scale, 1.0), max_attempts=10, use_image_if_no_bounding_boxes=True)
+    return begin, extent
+
+
+def _flipped(image: tf.Tensor, seed: tf.Tensor, flip: bool) -> tf.Tensor:
+    return tf.image.stateless_random_flip_left_right(image, seed=seed + 1) if flip else image
 
 
 def train_image(image: tf.Tensor, size: int, seed: tf.Tensor, min_scale: float,
                 flip: bool) -> tf.Tensor:
     """Random-area crop (``min_scale``..1 of the image, aspect 3/4..4/3), resized to ``size``,
     optionally flipped; ``seed`` (shape [2]) decides everything."""
-    begin, extent, _ = tf.image.stateless_sample_distorted_bounding_box(
-        tf.shape(image), tf.constant([[[0.0, 0.0, 1.0, 1.0]]]), seed=seed,
-        min_object_covered=0.0, aspect_ratio_range=(3 / 4, 4 / 3),
-        area_range=(min_scale, 1.0), max_attempts=10, use_image_if_no_bounding_boxes=True)
-    crop = tf.slice(image, begin, extent)
-    out = tf.clip_by_value(tf.image.resize(crop, [size, size], "bicubic"), 0.0, 255.0)
-    if flip:
-        out = tf.image.stateless_random_flip_left_right(out, seed=seed + 1)
-    return out
+    begin, extent = _train_box(tf.shape(image), seed, min_scale)
+    return _flipped(_resized(tf.slice(image, begin, extent), size), seed, flip)
+
+
+def train_jpeg(encoded: tf.Tensor, size: int, seed: tf.Tensor, min_scale: float,
+               flip: bool) -> tf.Tensor:
+    """:func:`train_image` of an encoded JPEG (the same crop for the same ``seed``), decoding
+    only the crop's blocks."""
+    begin, extent = _train_box(tf.image.extract_jpeg_shape(encoded), seed, min_scale)
+    crop = _decode_crop(encoded, begin[0], begin[1], extent[0], extent[1])
+    return _flipped(_resized(crop, size), seed, flip)
+
+
+def augmented(images: tf.Tensor, seed: tf.Tensor, name: str, num_layers: int,
+              magnitude: float) -> tf.Tensor:
+    """``--augmenter_name``'s AutoAugment or RandAugment on one ``[0, 255]`` image, the
+    application's own (Pillow) implementation, seeded by ``seed``: the same ops and
+    magnitudes as the PyTorch path. It runs as a Python op (holding the GIL)."""
+    import random
+
+    from PIL import Image
+
+    from apps.efficientnet.dataloader.augment import make_augmenter
+    augmenter = make_augmenter(name, num_layers, magnitude)
+    if augmenter is None:
+        return images
+
+    def apply(image: np.ndarray, key: np.ndarray) -> np.ndarray:
+        rng = random.Random(int(key[0]) * 1_000_003 + int(key[1]))
+        out = augmenter(Image.fromarray(image), rng)
+        return np.asarray(out, dtype=np.uint8)
+
+    pixels = tf.cast(tf.round(images), tf.uint8)
+    out = tf.numpy_function(apply, [pixels, seed], tf.uint8, stateful=False)
+    return tf.cast(tf.ensure_shape(out, images.shape), tf.float32)
 
 
 def _mixup(images: tf.Tensor, labels: tf.Tensor, alpha: float, seed: tf.Tensor
@@ -150,10 +214,11 @@ def _synthetic(args: argparse.Namespace, rank: int, size: int, batch: int) -> tf
 
 
 def train_dataset(args: argparse.Namespace, rank: int, size: int, image_size: int,
-                  steps_per_epoch: int, start_epoch: int, batch: int | None = None
-                  ) -> tf.data.Dataset:
+                  steps_per_epoch: int, start_epoch: int, batch: int | None = None,
+                  parallel: int = _AUTOTUNE) -> tf.data.Dataset:
     """Batches of ``(float images, one-hot labels)`` for epochs ``start_epoch`` onwards,
-    ``steps_per_epoch`` per epoch; ``batch`` defaults to ``--train_batch_size``."""
+    ``steps_per_epoch`` per epoch; ``batch`` defaults to ``--train_batch_size``;
+    ``parallel`` images are prepared at once (tf.data's choice by default)."""
     batch = batch or args.train_batch_size
     per_epoch = steps_per_epoch * batch
     epochs = max(0, args.max_epochs - start_epoch)
@@ -172,11 +237,14 @@ def train_dataset(args: argparse.Namespace, rank: int, size: int, image_size: in
             .repeat().take(per_epoch).enumerate()
 
         def prepare(i: tf.Tensor, record: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
-            image, label = decode(record, offset)
-            image = train_image(image, image_size, tf.stack([base, i]), args.crop_min_scale,
-                                args.random_flip)
+            encoded, label = parse(record, offset)
+            seed = tf.stack([base, i])
+            image = train_jpeg(encoded, image_size, seed, args.crop_min_scale,
+                               args.random_flip)
+            image = augmented(image, seed + 2, args.augmenter_name, args.raug_num_layers,
+                              args.raug_magnitude)
             return image, tf.one_hot(label, num_classes)
-        data = data.map(prepare, num_parallel_calls=_AUTOTUNE, deterministic=True)
+        data = data.map(prepare, num_parallel_calls=parallel, deterministic=True)
         data = data.batch(batch, drop_remainder=True)
         if args.mixup_alpha > 0 or args.cutmix_alpha > 0:
             data = data.enumerate().map(
@@ -212,7 +280,7 @@ def eval_dataset(args: argparse.Namespace, rank: int, size: int, image_size: int
         records = records.take(max(1, args.eval_num_examples // size))
 
     def prepare(record: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
-        image, label = decode(record, offset)
-        return eval_image(image, image_size, crop), label
+        encoded, label = parse(record, offset)
+        return eval_jpeg(encoded, image_size, crop), label
     return records.map(prepare, num_parallel_calls=_AUTOTUNE, deterministic=True) \
         .batch(args.eval_batch_size).prefetch(_AUTOTUNE)

@@ -283,6 +283,10 @@ def build(folder: str) -> str:
     if data is not None:
         from .elastic import section as elastic_section
         lines += elastic_section(data)
+    data = load_results(folder, "loader")
+    if data is not None:
+        from .loader import section as loader_section
+        lines += loader_section(data)
     # train.json, then any train-*.json (further training comparisons), each its own section
     for path in sorted(glob.glob(os.path.join(folder, "train*.json")),
                        key=lambda p: (os.path.basename(p) != "train.json", p)):
