@@ -329,3 +329,25 @@ def test_reduced_decode_crops_the_same_region():
         e_small = eval_jpeg(data, 64, reduce=True).numpy().astype(int)
         assert np.abs(e_full - e_small).mean() < 6.0, i
     assert reduced >= len(jpegs) // 3  # most crops of a 500x375 photo allow 1/2 at 96 px
+
+
+def test_loader_workers_default_to_the_ranks_cores(monkeypatch):
+    """--num_workers by default: the cores this rank may run on (shoalrun binds them), less
+    one for training, at least one; an explicit number stands."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    assert parse_args(["--synthetic"], environ={}).num_workers == 3
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {5})
+    assert parse_args(["--synthetic"], environ={}).num_workers == 1
+    assert parse_args(["--synthetic", "--num_workers", "0"], environ={}).num_workers == 0
+
+
+def test_device_prefetcher_hands_out_every_batch_in_order():
+    """On CPU the batches pass through unchanged, one loaded ahead; (on CUDA they would be
+    copied on a side stream)."""
+    from apps.efficientnet.dataloader.prefetch import DevicePrefetcher
+    batches = [(torch.full((2, 3), float(i)), torch.tensor([i, i])) for i in range(5)]
+    got = list(DevicePrefetcher(iter(batches), torch.device("cpu")))
+    assert len(got) == 5
+    for (x, y), (a, b) in zip(got, batches, strict=True):
+        assert x is a and y is b
+    assert list(DevicePrefetcher([], torch.device("cpu"))) == []

@@ -27,7 +27,8 @@ from apps.efficientnet.config import recipe
 from apps.efficientnet.config.variants import SMALL_CNN, VARIANTS
 
 __all__ = ["LR_BATCH_BASE", "LR_RULE", "MODES", "UnsupportedFlagError", "build_parser",
-           "default_framework", "parse_args", "peak_lr", "sagemaker_argv", "str2bool"]
+           "default_framework", "default_loader_workers", "parse_args", "peak_lr",
+           "sagemaker_argv", "str2bool"]
 
 MODES = ("train", "eval", "train_and_eval", "training_benchmark")
 UnsupportedFlagError = recipe.UnsupportedFlagError
@@ -198,7 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--eval_crop_fraction", type=float, default=0.875)
     flag(g, "--random_flip", help="random horizontal flips", default=True)
     a("--label_offset", type=int, default=1, help="subtracted from TFRecord labels")
-    a("--num_workers", type=int, default=2, help="DataLoader workers per rank")
+    a("--num_workers", type=int, default=None,
+      help="DataLoader workers per rank (default: the cores this rank may run on, which "
+           "shoalrun binds, less one for training; at least 1)")
     g = p.add_argument_group("output")
     a = g.add_argument
     a("--model_dir", default="results/efficientnet")
@@ -275,6 +278,10 @@ def parse_args(argv: Sequence[str] | None = None,
     args = parser.parse_args([*sagemaker_argv(environ, parser),
                               *(argv if argv is not None else sys.argv[1:])])
     args.framework = args.framework or default_framework()
+    if args.num_workers is None:
+        args.num_workers = default_loader_workers()
+    elif args.num_workers < 0:
+        parser.error("--num_workers must be 0 (load in the training process) or more")
     args.train_data_dir = args.train_data_dir or args.data_dir
     args.eval_data_dir = args.eval_data_dir or args.data_dir
     if args.hvd_fp16_compression and args.compression == "none":
@@ -295,6 +302,16 @@ def parse_args(argv: Sequence[str] | None = None,
         args.model_dir
     recipe.settle(args)
     return args
+
+
+def default_loader_workers() -> int:
+    """A rank's data-loading workers: the cores it may run on (shoalrun binds each rank to
+    its share of the machine's), less one for the training process; at least 1."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity on this platform
+        cores = os.cpu_count() or 1
+    return max(1, cores - 1)
 
 
 def sagemaker_checkpoints(environ: Mapping[str, str]) -> str | None:

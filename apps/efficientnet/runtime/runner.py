@@ -26,6 +26,7 @@ import torch
 from apps.efficientnet.config.flags import LR_BATCH_BASE
 from apps.efficientnet.dataloader import Preprocess, build_dataset, make_loader
 from apps.efficientnet.dataloader.index import Team
+from apps.efficientnet.dataloader.prefetch import DevicePrefetcher
 from apps.efficientnet.runtime.checkpoint import checkpoint_dir
 from apps.efficientnet.runtime.ckptdir import resume
 from apps.efficientnet.runtime.distributed import (
@@ -207,8 +208,10 @@ def _run(args: argparse.Namespace, dist: Dist) -> dict[str, Any]:
         summary = evaluate(tr, eval_loader())
         summary["checkpoint"] = resumed or "none: untrained"
     else:
-        batches = iter(make_loader(train_ds, args.train_batch_size, args.num_workers,
-                                   drop_last=True, pin_memory=dist.device.type == "cuda"))
+        batches = DevicePrefetcher(make_loader(train_ds, args.train_batch_size,
+                                               args.num_workers, drop_last=True,
+                                               pin_memory=dist.device.type == "cuda"),
+                                   dist.device)
         benchmark = args.mode == "training_benchmark"
         start = time.perf_counter()
         stop = StopRequest(lambda flag, name: average([flag], name=name)[0],
