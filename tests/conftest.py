@@ -13,11 +13,12 @@ import pytest
 from harness import free_port_pair
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_cluster(tmp_path_factory: pytest.TempPathFactory):
     """A local Ray cluster of two nodes (a head and a second ``ray start`` node, one CPU
-    each), started once per test run for every Ray test, with this process connected; its
-    address. Token authentication is on (Ray's default for a head): every node and this
+    each), with this process connected; its address. Module-scoped, so that Ray's daemons do
+    not outlive the file's tests (``tests/test_ray.py`` holds every Ray test: one start per
+    run). Token authentication is on (Ray's default for a head): every node and this
     driver present the token the head writes (the test files set ``RAY_AUTH_MODE=token``
     before importing Ray, whose client reads it at import)."""
     import ray

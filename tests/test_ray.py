@@ -1,14 +1,22 @@
-"""Ray Train on shoal, on a local Ray cluster of two nodes (a head and a second ``ray start``
-node, one CPU each, so the two workers sit on different Ray nodes and so on different shoal
-hosts): ``TorchTrainer`` naming backend "shoal" with unchanged user code, ``ShoalTrainer``
-with a Horovod-style training function, and a worker killed under ``FailureConfig
-(max_failures=1)`` resuming from the last checkpoint. One cluster serves every test."""
+"""shoal on Ray, on one local Ray cluster of two nodes for the whole file (conftest.py: a head
+and a second ``ray start`` node, one CPU each, so two workers sit on different Ray nodes and so
+on different shoal hosts):
+
+* Ray Train: ``TorchTrainer`` naming backend "shoal" with unchanged user code,
+  ``ShoalTrainer`` with a Horovod-style training function, and a worker killed under
+  ``FailureConfig(max_failures=1)`` resuming from the last checkpoint;
+* Horovod's Ray API (``shoal.ray.RayExecutor``): 4 workers on the two nodes, executables,
+  callbacks, placement errors, and an elastic job losing a worker;
+* backend "shoal" of ``ray.util.collective`` between actors on the two nodes.
+
+The file is the only one that starts Ray: the cluster goes with its last test."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytest.importorskip("torch")
@@ -137,3 +145,193 @@ def test_shoal_trainer_and_a_worker_lost_resumes(cluster: str, tmp_path: Path) -
     assert (killed / "died").exists()
     assert {(killed / f"resumed{r}").read_text() for r in range(2)} == {"2"}
     assert weights[True] == weights[False]  # resumed after epoch 1: the same end
+
+
+N = 4
+
+
+def _input(rank: int) -> np.ndarray:
+    return np.random.default_rng(rank).standard_normal(1001).astype(np.float32)
+
+
+def _allreduce(scale: float) -> dict:
+    """In a worker: join shoal as Horovod's scripts do; where this rank sits and its sum."""
+    import shoal.torch as hvd
+    hvd.init()
+    import shoal
+    x = _input(hvd.rank())
+    return {"rank": hvd.rank(), "size": hvd.size(), "local_rank": hvd.local_rank(),
+            "local_size": hvd.local_size(), "cross_rank": hvd.cross_rank(),
+            "host": shoal.communicator().world.hosts[hvd.rank()],
+            "algorithm": shoal.communicator().algorithm,
+            "sum": shoal.allreduce(x * scale, op=shoal.Sum, name="ray.sum"),
+            "env": {k: os.environ.get(k) for k in ("HOROVOD_RANK", "HOROVOD_LOCAL_RANK",
+                                                   "HOROVOD_CROSS_RANK", "HOROVOD_HOSTNAME")}}
+
+
+class _Model:
+    """An executable: made once in each worker by ``start(executable_cls=...)``."""
+
+    def __init__(self, epochs: int) -> None:
+        import shoal.torch as hvd
+        hvd.init()
+        self.hvd, self.epochs = hvd, epochs
+
+    def rank_epochs(self) -> int:
+        from shoal.ray import ray_logger
+        if self.hvd.rank() == 0:
+            ray_logger.log({"epochs": self.epochs})
+        return self.hvd.rank() * self.epochs
+
+
+def test_executor_runs_four_workers_on_two_nodes(ray_cluster: str) -> None:
+    from shoal.ray import RayExecutor
+    settings = RayExecutor.create_settings(timeout_s=60, placement_group_timeout_s=60)
+    executor = RayExecutor(settings, num_hosts=2, num_workers_per_host=2, cpus_per_worker=0.5)
+    executor.start()
+    try:
+        got = executor.run(_allreduce, args=[2.0])
+        want = sum(_input(r) * 2.0 for r in range(N))
+        assert [g["rank"] for g in got] == list(range(N))
+        for g in got:
+            np.testing.assert_allclose(g["sum"], want, rtol=1e-5, atol=1e-5)
+            assert g["size"] == N and g["local_size"] == 2
+            assert g["algorithm"] == "hierarchical"  # two shoal hosts of two ranks each
+            assert g["env"]["HOROVOD_RANK"] == str(g["rank"])
+            assert g["env"]["HOROVOD_LOCAL_RANK"] == str(g["local_rank"])
+        hosts = [g["host"] for g in got]
+        assert hosts[0] == hosts[1] != hosts[2] == hosts[3]  # a host per Ray node
+        assert [g["local_rank"] for g in got] == [0, 1, 0, 1]
+        assert [g["cross_rank"] for g in got] == [0, 0, 1, 1]
+        assert len({g["env"]["HOROVOD_HOSTNAME"] for g in got}) == 2  # the Ray node ids
+        refs = executor.run_remote(lambda: 7)
+        assert ray.get(refs) == [7] * N
+        assert executor.execute_single(lambda _: os.environ["SHOAL_RANK"]) == "0"
+    finally:
+        executor.shutdown()
+
+
+def test_executor_executables_callbacks_and_placement_errors(ray_cluster: str) -> None:
+    from shoal.ray import RayExecutor
+    settings = RayExecutor.create_settings(timeout_s=60, placement_group_timeout_s=60)
+    executor = RayExecutor(settings, num_workers=2, cpus_per_worker=0.5)
+    executor.start(executable_cls=_Model, executable_args=[3])
+    try:
+        logged: list[dict] = []
+        assert executor.execute(lambda model: model.rank_epochs(),
+                                callbacks=[logged.append]) == [0, 3]
+        assert logged == [{"epochs": 3}]  # rank 0's value, through the driver's callback
+    finally:
+        executor.shutdown()
+    with pytest.raises(RuntimeError, match="start"):
+        executor.run(lambda: 1)
+    with pytest.raises(ValueError, match="Both `min_workers` and `num_workers`"):
+        RayExecutor(settings, num_workers=2, min_workers=1)
+    # 4 CPUs on one node: the cluster's nodes have one each
+    tight = RayExecutor(RayExecutor.create_settings(placement_group_timeout_s=2),
+                        num_hosts=1, num_workers_per_host=4)
+    with pytest.raises(TimeoutError, match="placement group"):
+        tight.start()
+    tight.shutdown()
+
+
+@ray.remote(num_cpus=0.25)
+class _Peer:
+    def __init__(self) -> None:
+        import shoal.ray.collective  # noqa: F401 - registers backend "shoal" here
+
+    def run(self, world: int, rank: int) -> dict:
+        import ray.util.collective as col
+        import torch
+        col.init_collective_group(world, rank, backend="shoal", group_name="pair")
+        x = _input(rank)
+        summed = x.copy()
+        col.allreduce(summed, group_name="pair")
+        t = torch.from_numpy(x.copy())
+        col.allreduce(t, group_name="pair", op=col.types.ReduceOp.MAX)
+        gathered = [np.zeros(1001, np.float32) for _ in range(world)]
+        col.allgather(gathered, x.copy(), group_name="pair")
+        b = x.copy()
+        col.broadcast(b, src_rank=1, group_name="pair")
+        mine = np.zeros(3, np.float64)
+        col.reducescatter(mine, [np.full(3, 10.0 * rank + i) for i in range(world)],
+                          group_name="pair")
+        got = np.zeros(5, np.float32)
+        if rank == 0:
+            col.send(np.arange(5, dtype=np.float32), 1, group_name="pair")
+        else:
+            col.recv(got, 0, group_name="pair")
+        col.barrier(group_name="pair")
+        col.destroy_collective_group("pair")
+        return {"sum": summed, "max": t.numpy(), "gathered": gathered, "bcast": b,
+                "rs": mine, "recv": got}
+
+
+def test_ray_collective_backend_shoal(ray_cluster: str) -> None:
+    import shoal.ray.collective  # noqa: F401 - the driver knows the backend too
+    peers = [_Peer.options(scheduling_strategy="SPREAD").remote() for _ in range(2)]
+    try:
+        out = ray.get([p.run.remote(2, r) for r, p in enumerate(peers)], timeout=120)
+    finally:
+        for p in peers:
+            ray.kill(p)
+    xs = [_input(r) for r in range(2)]
+    for rank, o in enumerate(out):
+        np.testing.assert_allclose(o["sum"], xs[0] + xs[1], rtol=1e-6)
+        np.testing.assert_array_equal(o["max"], np.maximum(xs[0], xs[1]))
+        for r in range(2):
+            np.testing.assert_array_equal(o["gathered"][r], xs[r])
+        np.testing.assert_array_equal(o["bcast"], xs[1])
+        np.testing.assert_array_equal(o["rs"], np.full(3, 10.0 * 0 + rank + 10.0 * 1 + rank))
+    np.testing.assert_array_equal(out[1]["recv"], np.arange(5, dtype=np.float32))
+
+
+def _elastic_train(epochs: int) -> dict:
+    """Horovod's elastic training function; the worker that started as rank 1 fails once,
+    in epoch 2."""
+    import torch
+
+    import shoal.torch as hvd
+    from shoal.ray import ray_logger
+    hvd.init()
+    model = torch.nn.Linear(4, 1)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    start_rank = int(os.environ["HOROVOD_RANK"])
+    ray_logger.log({"started": start_rank})
+
+    @hvd.elastic.run
+    def train(state: hvd.elastic.TorchState) -> None:
+        while state.epoch < epochs:
+            if state.epoch == 2 and start_rank == 1:
+                raise RuntimeError("a planned failure of the worker that started as rank 1")
+            x = torch.full((8, 4), float(hvd.rank() + 1))
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+            state.epoch += 1
+            state.commit()
+
+    state = hvd.elastic.TorchState(model, opt, epoch=0)
+    train(state)
+    return {"start_rank": start_rank, "size": hvd.size(), "epoch": state.epoch,
+            "host": os.environ["SHOAL_HOSTNAME"]}
+
+
+def test_elastic_executor_finishes_at_the_smaller_size(ray_cluster: str) -> None:
+    from shoal.ray import RayExecutor
+    settings = RayExecutor.create_settings(timeout_s=60)
+    executor = RayExecutor(settings, min_workers=1, max_workers=2, cpus_per_worker=1,
+                           elastic_timeout=60)
+    executor.start()
+    logged: list[dict] = []
+    try:
+        results = executor.run(_elastic_train, args=[5], callbacks=[logged.append])
+    finally:
+        executor.shutdown()
+    # the two Ray nodes share one address yet are two hosts; the failure blacklisted the
+    # failed worker's host, and the other finished alone
+    assert len(results) == 1, results
+    assert results[0]["start_rank"] == 0 and results[0]["size"] == 1
+    assert results[0]["epoch"] == 5
+    assert sorted(e["started"] for e in logged) == [0, 1]
