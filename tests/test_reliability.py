@@ -88,7 +88,7 @@ def test_stranger_on_the_data_port_is_refused(caplog) -> None:
         s.close()
     wrong = TcpMesh(1, 2, b"w" * 32, timeout=5, buffer_bytes=1 << 20, bind_addr="127.0.0.1")
     with pytest.raises(Exception, match="secret"):
-        wrong._dial(0, a.address, time.monotonic() + 5)
+        wrong._dial(0, 0, a.address, time.monotonic() + 5)
     wrong.close()
     b.connect([a.address, b.address], 10)
     t.join(10)

@@ -37,7 +37,7 @@ from .store import PrefixStore, Store
 from .timeline import Timeline
 from .transport import Transport
 from .transport.shm import ShmGroup
-from .transport.tcp import TcpMesh
+from .transport.tcp import TcpMesh, choose_streams
 
 __all__ = ["Communicator", "explain_loss", "local_address"]
 
@@ -103,6 +103,26 @@ def explain_loss(store: Store, prefix: str, rank: int, size: int,
     return PeerLostError(f"rank {rank}: lost rank{'s' if len(lost) > 1 else ''} "
                          f"{', '.join(map(str, lost))} (it stopped answering; seen here as: "
                          f"{exc})", rank=lost[0])
+
+
+def _stream_counts(rank: int, peers: list[dict]) -> list[int]:
+    """TCP connections from ``rank`` to each rank: one on its own host, across hosts the
+    fewer of the two ends' choices (:func:`choose_streams` from each end's settings), so
+    both ends open the same number whatever their settings."""
+    hosts = [p["host"] for p in peers]
+
+    def wanted(r: int) -> int:
+        setting, fusion, stripe = peers[r]["streams"]
+        remote = sum(h != hosts[r] for h in hosts)
+        return choose_streams(setting, fusion // len(hosts), stripe, remote)
+
+    mine = wanted(rank)
+    counts = [1 if hosts[r] == hosts[rank] else min(mine, wanted(r)) for r in range(len(hosts))]
+    across = [c for r, c in enumerate(counts) if hosts[r] != hosts[rank]]
+    if across:
+        log.info("rank %d: %s TCP stream(s) to each of %d peers on other hosts", rank,
+                 "/".join(map(str, sorted(set(across)))), len(across))
+    return counts
 
 
 class Communicator(Collectives):
@@ -178,7 +198,8 @@ class Communicator(Collectives):
                                 stall_warning=cfg.stall_warning_s, hard_timeout=cfg.timeout_s)
             resources.append(liveness.close)
             mesh = TcpMesh(rank, size, key, timeout=cfg.timeout_s or 60.0,
-                           buffer_bytes=cfg.tcp_buffer_bytes, bind_addr=bind, liveness=liveness)
+                           buffer_bytes=cfg.tcp_buffer_bytes, bind_addr=bind, liveness=liveness,
+                           stripe_bytes=cfg.tcp_stripe_bytes)
             resources.append(mesh.close)
             p2p = PeerMessages(rank, size, key, bind_addr=bind, timeout=cfg.timeout_s or None,
                                connect_timeout=wait, buffer_bytes=cfg.tcp_buffer_bytes,
@@ -186,12 +207,15 @@ class Communicator(Collectives):
             resources.append(p2p.close)
             hello = json.dumps({"host": host, "addr": mesh.address[0], "port": mesh.address[1],
                                 "hb": liveness.address[1], "hbt": liveness.tcp_address[1],
-                                "p2p": p2p.address[1], "pid": os.getpid()}).encode()
+                                "p2p": p2p.address[1], "pid": os.getpid(),
+                                "streams": [cfg.tcp_streams, cfg.fusion_threshold,
+                                            cfg.tcp_stripe_bytes]}).encode()
             peers = [json.loads(b) for b in store.allgather("hello", rank, size, hello, wait)]
             world = topology.World.from_hostnames(rank, [p["host"] for p in peers])
             if agreement is not None and rank == 0:
                 _say_exposed(world)
-            mesh.connect([(p["addr"], p["port"]) for p in peers], wait)
+            mesh.connect([(p["addr"], p["port"]) for p in peers], wait,
+                         _stream_counts(rank, peers))
             _start_heartbeats(liveness, cfg, store, peers, wait)
             p2p.start([(p["addr"], p["p2p"]) for p in peers])
             shm = None

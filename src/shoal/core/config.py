@@ -45,6 +45,16 @@ def _cpu_bind(text: str) -> str:
     return value
 
 
+def _streams(text: str) -> int:
+    value = text.strip().lower()
+    if value in ("auto", "0", ""):
+        return 0
+    count = int(value)
+    if count < 1:
+        raise ValueError(f"{text!r}: use auto or a count of at least 1")
+    return count
+
+
 def parse_bytes(text: str) -> int:
     """Parse ``64MiB``, ``4k``, ``1048576``: binary units, case-insensitive."""
     units = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20,
@@ -115,6 +125,11 @@ KNOBS: dict[str, Knob] = _knobs(
     Knob("shm_enable", _parse_bool, True, "use shared memory between ranks on one host"),
     Knob("tcp_buffer_bytes", parse_bytes, 4 << 20, "socket send/receive buffer size"),
     Knob("tcp_chunk_bytes", parse_bytes, 4 << 20, "pipeline chunk of the TCP ring"),
+    Knob("tcp_streams", _streams, 0, "TCP connections to each peer on another host: auto "
+         "(0: 4, fewer for small fusion buffers or many peers) or a count; messages of two "
+         "stripes or more are striped over them (clouds cap each flow below the NIC)"),
+    Knob("tcp_stripe_bytes", parse_bytes, 64 << 10, "smallest piece of a message striped over "
+         "several TCP streams; shorter messages travel on one"),
     Knob("small_message_bytes", parse_bytes, 64 << 10, "across hosts, messages up to this "
          "size use recursive doubling (log2 n latencies) instead of the ring (2(n-1))"),
     # engine (fusion, timeline)

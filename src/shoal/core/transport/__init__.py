@@ -97,10 +97,10 @@ class Transport:
         lens = {p: bytearray(_LEN.size) for p in peers}
         mine = _LEN.pack(len(blob))
         self.mesh.exchange([(p, memoryview(mine)) for p in peers],
-                           [(p, memoryview(lens[p])) for p in peers], what=what)
+                           [(p, memoryview(lens[p])) for p in peers], what=what, control=True)
         bufs = {p: bytearray(_LEN.unpack(lens[p])[0]) for p in peers}
         self.mesh.exchange([(p, memoryview(blob)) for p in peers],
-                           [(p, memoryview(bufs[p])) for p in peers], what=what)
+                           [(p, memoryview(bufs[p])) for p in peers], what=what, control=True)
         return [blob if p == self.rank else bytes(bufs[p]) for p in group]
 
     # -- point to point and the host stage (the algorithms' primitives) -------------------
