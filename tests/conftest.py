@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -18,17 +19,23 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory):
     """A local Ray cluster of two nodes (a head and a second ``ray start`` node, one CPU
     each), with this process connected; its address. Module-scoped, so that Ray's daemons do
     not outlive the file's tests (``tests/test_ray.py`` holds every Ray test: one start per
-    run). Token authentication is on (Ray's default for a head): every node and this
-    driver present the token the head writes (the test files set ``RAY_AUTH_MODE=token``
-    before importing Ray, whose client reads it at import)."""
+    run). Token authentication is on (Ray's default for a head): the fixture writes a fresh
+    token (owner-only) into the cluster's temporary directory and points every node and this
+    driver at it with ``RAY_AUTH_TOKEN_PATH``, so nothing depends on a ``~/.ray/auth_token``
+    left by an earlier run (the test files set ``RAY_AUTH_MODE=token`` before importing Ray,
+    whose client reads it at import)."""
     import ray
     ray_cli = shutil.which("ray", path=str(Path(sys.executable).parent)) or shutil.which("ray")
     if ray_cli is None:
         pytest.skip("the ray command is not installed")
     port = free_port_pair()
     temp = tmp_path_factory.mktemp("ray")
+    token = temp / "auth_token"
+    token.touch(mode=0o600)
+    token.write_text(secrets.token_hex(32))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SHOAL_", "RAY_"))}
     env.update(RAY_USAGE_STATS_ENABLED="0", OMP_NUM_THREADS="1", RAY_AUTH_MODE="token",
+               RAY_AUTH_TOKEN_PATH=str(token),
                # the workers unpickle the test files' functions
                PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).parent),
                                                         env.get("PYTHONPATH")])))
@@ -42,9 +49,22 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory):
                         "127.0.0.1", *common], env=env, check=True, capture_output=True,
                        timeout=120)
         os.environ["RAY_ADDRESS"] = address
+        os.environ["RAY_AUTH_TOKEN_PATH"] = str(token)
+        _reset_ray_token_cache()
         ray.init(address=address, logging_level="ERROR", log_to_driver=False)
         yield address
     finally:
         ray.shutdown()
         os.environ.pop("RAY_ADDRESS", None)
+        os.environ.pop("RAY_AUTH_TOKEN_PATH", None)
+        _reset_ray_token_cache()
         subprocess.run([ray_cli, "stop", "--force"], env=env, capture_output=True, timeout=120)
+
+
+def _reset_ray_token_cache() -> None:
+    """Make this process's Ray client read the token again (it caches the first it finds)."""
+    try:
+        from ray._raylet import AuthenticationTokenLoader
+    except ImportError:  # a Ray without token authentication
+        return
+    AuthenticationTokenLoader.instance().reset_cache()
