@@ -44,7 +44,9 @@ def test_tiny_cluster_run(tmp_path) -> None:
     proc = _shoal("bench", "cluster", "--sizes", "256K", "--trials", "1", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-2000:]
     res = json.loads(out.read_text())["results"][0]
-    assert res["link_Bps"] > 0 and "shoal-hierarchical" in res["methods"]
+    assert res["link_Bps"] > 0 and res["flow_Bps"] > 0
+    assert {"shoal-hierarchical@1", "shoal-hierarchical@auto"} <= set(res["methods"])
+    assert res["streams"]["shoal-hierarchical@1"] == 1
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
@@ -56,7 +58,7 @@ def test_three_node_cluster_through_a_switch(tmp_path) -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     res = json.loads(out.read_text())["results"][0]
     assert res["nodes"] == 3 and res["np"] == 6 and res["link_Bps"] > 0
-    assert set(res["methods"]) >= {"shoal-hierarchical", "shoal-ring"}
+    assert set(res["methods"]) >= {"shoal-hierarchical@1", "shoal-ring@auto"}
 
 
 def test_report_from_fixture(tmp_path) -> None:

@@ -1,12 +1,16 @@
 """``shoal bench cluster``: allreduce across emulated hosts joined by a shaped link.
 
 Network namespaces act as nodes (``--nodes``, 2 by default, joined by a veth pair; more
-around an emulated switch), each link shaped with ``tc tbf`` (1 Gbit/s by default), with 2
-ranks in each. In one job, alternating trial by trial: shoal's
-``hierarchical`` algorithm, shoal's flat ``ring`` over TCP, and torch's gloo ring. The physical
-limit is measured in the same run (one TCP stream across the link) and every method is shown
-as a ratio to the link-bound floor ``2 (M-1)/M x bytes / link bandwidth`` (M nodes): the bytes
-each host's link must carry in each direction for any allreduce.
+around an emulated switch), each link shaped to ``--rate`` (1 Gbit/s by default), with 2
+ranks in each; ``--flow-cap`` also holds every TCP connection to that rate, as clouds do
+(:class:`~shoal.bench.netns.EmulatedCluster`). In one job, alternating trial by trial: shoal's
+``hierarchical`` algorithm at each of ``--streams`` TCP connections per cross-host peer
+(the job is rebuilt between methods of different stream counts, outside the timing), shoal's
+flat ``ring`` at the most streams, and torch's gloo ring. The physical limits are measured in
+the same run with raw TCP (:func:`~shoal.bench.flows.probe`): one connection (a per-flow cap
+shows here) and 16 together (the link). Every method is shown as a ratio to the link-bound
+floor ``2 (M-1)/M x bytes / link bandwidth`` (M nodes): the bytes each host's link must carry
+in each direction for any allreduce.
 """
 
 from __future__ import annotations
@@ -18,18 +22,20 @@ import secrets
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from .common import alternate, worst_over_ranks, write_results
+from .common import worst_over_ranks, write_results
+from .flows import probe
 from .netns import ClusterUnavailableError, EmulatedCluster
 from .stats import human_bytes, parse_size, stats
 
 __all__ = ["add_arguments", "format_table", "run", "worker_main"]
 
 LOCAL = 2  # ranks per emulated node
+LINK_FLOWS = 16  # raw connections that together measure the link under any per-flow cap
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -37,9 +43,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nodes", type=int, default=2, help="emulated hosts (2 ranks each)")
     p.add_argument("--sizes", default="4M,16M,64M")
     p.add_argument("--trials", type=int, default=5)
-    p.add_argument("--rate", default="1gbit", help="link rate for tc tbf (e.g. 1gbit)")
+    p.add_argument("--rate", default="1gbit", help="link rate (e.g. 1gbit)")
+    p.add_argument("--flow-cap", default=None,
+                   help="also cap every TCP connection at this rate (e.g. 250mbit)")
+    p.add_argument("--streams", default="1,auto",
+                   help="TCP streams per cross-host peer to compare (counts or auto)")
     p.add_argument("--out", default="benchmarks/cluster.json")
     p.add_argument("--timeout", type=float, default=900)
+
+
+def _streams_setting(text: str) -> int:
+    return 0 if text == "auto" else int(text)
 
 
 def worker_main(argv: Sequence[str]) -> None:
@@ -47,17 +61,29 @@ def worker_main(argv: Sequence[str]) -> None:
     p = argparse.ArgumentParser()
     for flag in ("--rank", "--size", "--port", "--gloo-port"):
         p.add_argument(flag, type=int, required=True)
-    for flag in ("--host", "--addr", "--secret", "--job", "--device", "--sizes", "--json"):
+    for flag in ("--host", "--addr", "--secret", "--job", "--device", "--sizes", "--json",
+                 "--streams"):
         p.add_argument(flag, required=True)
     p.add_argument("--trials", type=int, required=True)
     args = p.parse_args(argv)
     import shoal
     from shoal.core import algorithms
-    shoal.init(rank=args.rank, size=args.size, rendezvous_addr=args.addr,
-               rendezvous_port=args.port, hostname=args.host, secret=args.secret,
-               job_id=args.job)
-    transport = shoal.communicator().transport
-    methods_names = ["hierarchical", "ring"]
+    joined: dict[str, int] = {}
+
+    def join(streams: int) -> None:
+        if joined.get("streams") == streams:
+            return
+        if joined:
+            shoal.shutdown()
+        shoal.init(rank=args.rank, size=args.size, rendezvous_addr=args.addr,
+                   rendezvous_port=args.port, hostname=args.host, secret=args.secret,
+                   job_id=f"{args.job}s{streams}", tcp_streams=streams)
+        joined["streams"] = streams
+        joined["chosen"] = shoal.communicator().transport.mesh.streams(
+            (args.rank + LOCAL) % args.size)
+
+    settings = {s: _streams_setting(s) for s in args.streams.split(",")}
+    join(next(iter(settings.values())))
     gloo = None
     try:
         import torch
@@ -70,72 +96,97 @@ def worker_main(argv: Sequence[str]) -> None:
     except ImportError:
         pass
     sizes = [parse_size(s) for s in args.sizes.split(",")]
-    results: dict[str, Any] = {"times": {}, "link": []}
-    # the physical limit, measured now: one stream from node 0 to node 1
-    probe = np.ones(16 << 20, np.uint8)
-    for _ in range(3):
-        shoal.barrier()
-        t0 = time.perf_counter()
-        if args.rank == 0:
-            transport.mesh.send(LOCAL, memoryview(probe))
-        elif args.rank == LOCAL:
-            transport.mesh.recv_into(0, memoryview(probe))
-        shoal.barrier()
-        results["link"].append(probe.nbytes / (time.perf_counter() - t0))
+    results: dict[str, Any] = {"times": {}, "streams": {}}
+    most = max(settings.values(), key=lambda v: v or 1 << 30)
     for nbytes in sizes:
         x = np.random.default_rng(args.rank).standard_normal(nbytes // 4).astype(np.float32)
         out = np.empty_like(x)
-        methods = {}
-        for name in methods_names:
-            def run_algo(name: str = name, x: np.ndarray = x, out: np.ndarray = out) -> None:
-                algorithms.choose(transport, name)
+        methods: dict[str, tuple[int | None, Callable[[], Any]]] = {}
+        plan = [("hierarchical", label, v) for label, v in settings.items()]
+        plan += [("ring", label, v) for label, v in settings.items() if v == most]
+        for algo, label, streams in plan:
+            def run_algo(algo: str = algo, x: np.ndarray = x, out: np.ndarray = out) -> None:
+                algorithms.choose(shoal.communicator().transport, algo)
                 shoal.allreduce(x, op=shoal.Sum, name="cluster", out=out)
-            methods[f"shoal-{name}"] = run_algo
+            methods[f"shoal-{algo}@{label}"] = (streams, run_algo)
         if gloo is not None:
             t = torch.from_numpy(x.copy())
-            methods["gloo-ring"] = lambda t=t: gloo.all_reduce(t)
-        results["times"][str(nbytes)] = alternate(methods, args.trials, 1, shoal.barrier)
+            methods["gloo-ring"] = (None, lambda t=t: gloo.all_reduce(t))
+
+        def setup(name: str, methods: dict = methods) -> None:
+            streams, fn = methods[name]
+            if streams is not None and joined["streams"] != streams:
+                join(streams)
+                fn()  # the new connections warmed up outside the timing
+            if streams is not None:
+                results["streams"][name] = joined["chosen"]
+
+        results["times"][str(nbytes)] = _alternate(methods, args.trials, setup, shoal.barrier)
     everyone = shoal.allgather_object(results)
     if args.rank == 0:
-        link = max(max(r["link"]) for r in everyone if r["link"])
-        summary = {"np": args.size, "nodes": args.size // LOCAL, "link_Bps": link,
-                   "sizes": sizes, "methods": {}}
+        summary = {"np": args.size, "nodes": args.size // LOCAL, "sizes": sizes,
+                   "streams": results["streams"], "methods": {}}
         for key in results["times"]:
             for name in results["times"][key]:
-                st = worst_over_ranks([r["times"][key][name] for r in everyone])
-                m = summary["nodes"]
-                st["floor_s"] = 2 * (m - 1) / m * int(key) / link
-                summary["methods"].setdefault(name, {})[key] = st
+                summary["methods"].setdefault(name, {})[key] = worst_over_ranks(
+                    [r["times"][key][name] for r in everyone])
         with open(args.json, "w") as f:
             json.dump(summary, f)
     shoal.shutdown()
 
 
+def _alternate(methods: dict[str, tuple[int | None, Callable[[], Any]]], trials: int,
+               setup: Callable[[str], None], barrier: Callable[[], None]
+               ) -> dict[str, list[float]]:
+    """Each method once untimed, then ``trials`` timed calls each, taking turns (who goes first
+    rotates); ``setup(name)`` runs before a method's barrier, outside its time."""
+    names = list(methods)
+    for name in names:
+        setup(name)
+        methods[name][1]()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for trial in range(trials):
+        k = trial % len(names)
+        for name in names[k:] + names[:k]:
+            setup(name)
+            barrier()
+            t0 = time.perf_counter()
+            methods[name][1]()
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
 def format_table(result: dict[str, Any]) -> str:
     """Per size: each method's time and its ratio to the link-bound floor and to gloo."""
     methods = result["methods"]
-    lines = [f"{result['nodes']} emulated nodes x {LOCAL} ranks, link measured "
-             f"{result['link_Bps'] * 8 / 1e9:.2f} Gbit/s",
-             f"{'size':>8} | {'method':>18} | {'min ms':>9} | {'median ms':>9} | "
-             f"{'/ floor':>8} | {'gloo / it':>9}"]
+    cap = f", per-flow cap {result['flow_cap']}" if result.get("flow_cap") else ""
+    lines = [f"{result['nodes']} emulated nodes x {LOCAL} ranks, link {result['rate']}{cap}: "
+             f"measured {result['link_Bps'] * 8 / 1e9:.3f} Gbit/s over {LINK_FLOWS} "
+             f"connections, {result['flow_Bps'] * 8 / 1e9:.3f} Gbit/s over one",
+             f"{'size':>8} | {'method':>24} | {'streams':>7} | {'min ms':>9} | "
+             f"{'median ms':>9} | {'spread':>7} | {'floor / it':>10} | {'gloo / it':>9}"]
+    m = result["nodes"]
     for nbytes in result["sizes"]:
         key = str(nbytes)
+        floor = 2 * (m - 1) / m * nbytes / result["link_Bps"]
         gloo = methods.get("gloo-ring", {}).get(key)
         for name, per in methods.items():
             st = per[key]
-            vs = f"{gloo['min'] / st['min']:8.2f}x" if gloo else "   n/a"
-            lines.append(f"{human_bytes(nbytes):>8} | {name:>18} | {st['min'] * 1e3:9.1f} | "
-                         f"{st['median'] * 1e3:9.1f} | {st['min'] / st['floor_s']:7.2f}x | "
-                         f"{vs}")
+            vs = f"{gloo['median'] / st['median']:8.2f}x" if gloo else "   n/a"
+            streams = result["streams"].get(name, "")
+            lines.append(f"{human_bytes(nbytes):>8} | {name:>24} | {streams!s:>7} | "
+                         f"{st['min'] * 1e3:9.1f} | {st['median'] * 1e3:9.1f} | "
+                         f"{st['spread']:6.0%} | "
+                         f"{floor / st['median']:9.2f}x | {vs}")
     return "\n".join(lines)
 
 
 def run(args: argparse.Namespace) -> int:
-    """Build the namespaces, run the 4-rank job inside them, tear everything down."""
+    """Build the namespaces, measure the link, run the job inside them, tear it all down."""
     from .common import free_port
     try:
-        cluster = EmulatedCluster(args.nodes, args.rate)
-    except ClusterUnavailableError as exc:
+        cluster = EmulatedCluster(args.nodes, args.rate, flow_cap=args.flow_cap)
+    except (ClusterUnavailableError, ValueError) as exc:
         print(f"shoal bench cluster: {exc}", file=sys.stderr)
         return 2
     size = args.nodes * LOCAL
@@ -143,9 +194,12 @@ def run(args: argparse.Namespace) -> int:
     common = ["--size", str(size), "--port", str(free_port()), "--gloo-port",
               str(free_port()), "--addr", cluster.addresses[0], "--secret",
               secrets.token_hex(16), "--job", f"cluster{os.getpid()}", "--sizes", args.sizes,
-              "--trials", str(args.trials), "--json", out]
+              "--trials", str(args.trials), "--streams", args.streams, "--json", out]
+    probe_bytes = max(4 << 20, int(cluster.rate_bytes_per_s() / 2))  # about 1/2 s at the link
     try:
         with cluster:
+            flow = [probe(cluster, 0, 1, 1, probe_bytes) for _ in range(3)]
+            link = [probe(cluster, 0, 1, LINK_FLOWS, probe_bytes) for _ in range(3)]
             procs = []
             for rank in range(size):
                 node = rank // LOCAL
@@ -154,7 +208,7 @@ def run(args: argparse.Namespace) -> int:
                 procs.append(subprocess.Popen(cluster.command(node, argv)))
             deadline = time.monotonic() + args.timeout
             codes = [p.wait(timeout=max(1.0, deadline - time.monotonic())) for p in procs]
-    except (ClusterUnavailableError, subprocess.TimeoutExpired) as exc:
+    except (ClusterUnavailableError, RuntimeError, subprocess.TimeoutExpired) as exc:
         print(f"shoal bench cluster: {exc}", file=sys.stderr)
         return 1
     if any(codes):
@@ -163,9 +217,11 @@ def run(args: argparse.Namespace) -> int:
     with open(out) as f:
         result = json.load(f)
     os.unlink(out)
+    result.update(rate=args.rate, flow_cap=args.flow_cap, link_Bps=max(link),
+                  flow_Bps=float(np.median(flow)))
     print(format_table(result))
-    write_results(args.out, {"results": [result], "rate": args.rate,
-                             "link": stats([result["link_Bps"]])})
+    write_results(args.out, {"results": [result], "rate": args.rate, "flow_cap": args.flow_cap,
+                             "link": stats(link), "flow": stats(flow)})
     return 0
 
 

@@ -6,11 +6,22 @@ pair from each node to it. Addresses are in 127.10.0.0/24 (kept inside the names
 ``route_localnet`` lets 127/8 addresses travel over a real link), and a ``tc tbf`` qdisc
 shapes every veth end, so each node's link carries ``rate`` each way (``netem`` is missing from
 this kernel, so latency cannot be added). Everything is torn down on exit. Root only.
+
+``flow_cap="250mbit"`` adds what clouds do on top of the link: every TCP connection leaving a
+node is held to ``flow_cap`` while all of them together still share ``rate``. This kernel has no
+``fq`` or ``sfq`` to tell flows apart, so the namespace's netfilter does it: each new TCP
+connection on the link (seen leaving, or arriving) is given the next of 64 connection marks in
+turn (``statistic --mode nth``, ``CONNMARK``), every packet leaving is sent by its
+connection's mark (``CLASSIFY``) to a class of its own in an ``htb`` tree on the node's end of
+the link, whose ceiling is ``flow_cap``, under one parent class at ``rate``. Connections 64
+apart share a class (and a cap); a job opens far fewer across one link. Needs ``iptables``
+(Debian's package).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 from collections.abc import Sequence
 
@@ -21,33 +32,83 @@ class ClusterUnavailableError(RuntimeError):
     """This machine cannot build the emulated cluster (not root, no ip/tc, no netns)."""
 
 
-def _run(*argv: str) -> None:
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
+FLOW_CLASSES = 64  # connection marks dealt in turn under a per-flow cap
+
+
+def _run(*argv: str, stdin: str | None = None) -> None:
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False,
+                          input=stdin)
     if proc.returncode != 0:
         raise ClusterUnavailableError(f"{' '.join(argv)} failed: {proc.stderr.strip()}")
+
+
+def rate_bits(rate: str) -> float:
+    """``1gbit``, ``250mbit``, ``800kbit`` in bits per second."""
+    text = rate.strip().lower()
+    for unit, factor in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
+        if text.endswith(unit):
+            return float(text[: -len(unit)]) * factor
+    raise ValueError(f"rate {rate!r}: use e.g. 1gbit or 500mbit")
 
 
 class EmulatedCluster:
     """``nodes`` namespaces, each behind a link shaped to ``rate`` each way."""
 
     def __init__(self, nodes: int = 2, rate: str = "1gbit", tag: str | None = None, *,
-                 drop_udp: bool = False) -> None:
+                 drop_udp: bool = False, flow_cap: str | None = None) -> None:
         if nodes < 2:
             raise ValueError("the emulated cluster needs at least 2 nodes")
+        if flow_cap is not None:
+            if drop_udp:
+                raise ValueError("flow_cap and drop_udp cannot be combined")
+            if rate_bits(flow_cap) > rate_bits(rate):
+                raise ValueError(f"flow_cap {flow_cap} is above the link rate {rate}")
+            if shutil.which("iptables") is None:
+                raise ClusterUnavailableError("a per-flow cap needs iptables (apt-get install "
+                                              "iptables)")
         if os.geteuid() != 0:
             raise ClusterUnavailableError("building network namespaces needs root; run as root or "
                                      "skip the emulated-cluster benchmark")
         tag = tag or str(os.getpid())
         self.rate = rate
         self.drop_udp = drop_udp  # a network that passes TCP only (a security group, a policy)
+        self.flow_cap = flow_cap
         self.namespaces = [f"shoal{tag}n{i}" for i in range(nodes)]
         self.devices = [f"sh{tag}v{i}"[:15] for i in range(nodes)]
         self.addresses = [f"127.10.0.{i + 1}" for i in range(nodes)]
         self.hub = f"shoal{tag}hub" if nodes > 2 else None
         self._created: list[str] = []
 
-    def _shape(self, ns: str, dev: str) -> None:
+    def _cap_flows(self, ns: str, dev: str) -> None:
+        """The link at ``rate``, each TCP connection leaving on it at ``flow_cap``."""
+        share = f"{max(8.0, rate_bits(self.rate) / (FLOW_CLASSES + 1)):.0f}bit"
+        cap, link = self.flow_cap, self.rate
+        lines = [f"qdisc add dev {dev} root handle 1: htb default 2",
+                 f"class add dev {dev} parent 1: classid 1:1 htb rate {link} ceil {link} "
+                 f"quantum 60000",
+                 f"class add dev {dev} parent 1:1 classid 1:2 htb rate {share} ceil {cap} "
+                 f"quantum 60000"]
+        lines += [f"class add dev {dev} parent 1:1 classid 1:{0x100 + mark:x} htb rate "
+                  f"{share} ceil {cap} quantum 60000" for mark in range(1, FLOW_CLASSES + 1)]
+        _run("ip", "netns", "exec", ns, "tc", "-batch", "-", stdin="\n".join(lines) + "\n")
+        # this kernel's u32 cannot match marks (no CLS_U32_MARK) and it has no fw classifier,
+        # so netfilter picks the class itself: CLASSIFY sets the priority htb reads first
+        rules = ["*mangle", ":SHOALFLOW - [0:0]", ":SHOALCLASS - [0:0]"]
+        rules += [f"-A SHOALFLOW -m statistic --mode nth --every {FLOW_CLASSES} --packet "
+                  f"{i} -j CONNMARK --set-mark {i + 1}" for i in range(FLOW_CLASSES)]
+        rules += [f"-A SHOALCLASS -m connmark --mark {mark} -j CLASSIFY --set-class "
+                  f"1:{0x100 + mark:x}" for mark in range(1, FLOW_CLASSES + 1)]
+        rules += [f"-A OUTPUT -o {dev} -p tcp -m conntrack --ctstate NEW -j SHOALFLOW",
+                  f"-A PREROUTING -i {dev} -p tcp -m conntrack --ctstate NEW -j SHOALFLOW",
+                  f"-A POSTROUTING -o {dev} -p tcp -j SHOALCLASS", "COMMIT"]
+        _run("ip", "netns", "exec", ns, "iptables-restore", "--noflush",
+             stdin="\n".join(rules) + "\n")
+
+    def _shape(self, ns: str, dev: str, node_end: bool = True) -> None:
         tc = ("ip", "netns", "exec", ns, "tc")
+        if self.flow_cap is not None and node_end:
+            self._cap_flows(ns, dev)
+            return
         if not self.drop_udp:
             _run(*tc, "qdisc", "add", "dev", dev, "root", "tbf", "rate", self.rate, "burst",
                  "256kb", "latency", "100ms")
@@ -84,7 +145,7 @@ class EmulatedCluster:
                          "name", port, "netns", self.hub)
                     _run(*hub, "ip", "link", "set", port, "master", "br0")
                     _run(*hub, "ip", "link", "set", port, "up")
-                    self._shape(self.hub, port)  # the node's inbound direction
+                    self._shape(self.hub, port, node_end=False)  # the node's inbound side
             for ns, dev, addr in zip(self.namespaces, self.devices, self.addresses,
                                      strict=True):
                 ex = ("ip", "netns", "exec", ns)
@@ -111,9 +172,4 @@ class EmulatedCluster:
 
     def rate_bytes_per_s(self) -> float:
         """The configured link rate in bytes per second."""
-        text = self.rate.lower()
-        scale = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3}
-        for unit, factor in scale.items():
-            if text.endswith(unit):
-                return float(text[: -len(unit)]) * factor / 8
-        raise ValueError(f"rate {self.rate!r}: use e.g. 1gbit or 500mbit")
+        return rate_bits(self.rate) / 8

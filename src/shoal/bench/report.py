@@ -14,7 +14,7 @@ import json
 import os
 from typing import Any
 
-from .common import load_results
+from .common import load_results, markdown_table
 from .reliability import build as build_reliability
 from .stats import human_bytes
 from .train import BACKENDS as _TRAIN_ORDER
@@ -106,23 +106,16 @@ def _exchange_section(data: dict[str, Any]) -> list[str]:
 
 
 def _cluster_section(data: dict[str, Any]) -> list[str]:
+    from .cluster import format_table
     res = data["results"][0]
-    out = [f"## Emulated cluster: {res['nodes']} network namespaces on shaped links", "",
-           f"Command: `{data['command']}`", "",
-           f"{res['nodes']} nodes x {res['np'] // res['nodes']} ranks; link rate set "
-           f"{data.get('rate')}, measured {res['link_Bps'] * 8 / 1e9:.2f} Gbit/s in the same "
-           f"run. Floor = 2(M-1)/M x bytes / measured link bandwidth.", "",
-           "| size | method | min ms | median ms | / floor | gloo / method |",
-           "|---:|---|---:|---:|---:|---:|"]
-    for size in res["sizes"]:
-        k = str(size)
-        gloo = res["methods"].get("gloo-ring", {}).get(k)
-        for name, per in res["methods"].items():
-            st = per[k]
-            vs = f"{gloo['min'] / st['min']:.2f}x" if gloo else "n/a"
-            out.append(f"| {human_bytes(size)} | {name} | {st['min'] * 1e3:.1f} | "
-                       f"{st['median'] * 1e3:.1f} | {st['min'] / st['floor_s']:.2f}x | {vs} |")
-    return [*out, ""]
+    capped = " under a per-flow cap" if res.get("flow_cap") else ""
+    first, _, table = format_table(res).partition("\n")
+    return [f"## Emulated cluster: {res['nodes']} network namespaces on shaped links{capped}",
+            "", f"Command: `{data['command']}`", "",
+            f"{first}, in the same run. `streams`: TCP connections per cross-host peer; "
+            "floor / it: the link-bound floor 2(M-1)/M x bytes / measured link over the "
+            "method's median (1.00x is the link); gloo / it: gloo's median over the "
+            "method's.", "", *markdown_table(table), ""]
 
 
 
@@ -261,7 +254,9 @@ def build(folder: str) -> str:
              "times are per-trial maxima over ranks, min (and median) over trials.", ""]
     first = None
     for name, section in (("allreduce", _allreduce_section), ("exchange", _exchange_section),
-                          ("cluster", _cluster_section), ("cluster-4nodes", _cluster_section)):
+                          ("cluster", _cluster_section), ("cluster-4nodes", _cluster_section),
+                          ("cluster-capped", _cluster_section),
+                          ("cluster-4nodes-capped", _cluster_section)):
         data = load_results(folder, name)
         if data is None:
             continue

@@ -36,7 +36,7 @@ from .runtime import RUNTIME
 from .store import PrefixStore, Store
 from .timeline import Timeline
 from .transport import Transport
-from .transport.shm import ShmGroup
+from .transport.shm import ShmGroup, pipeline_chunk
 from .transport.tcp import TcpMesh, choose_streams
 
 __all__ = ["Communicator", "explain_loss", "local_address"]
@@ -105,7 +105,7 @@ def explain_loss(store: Store, prefix: str, rank: int, size: int,
                          f"{exc})", rank=lost[0])
 
 
-def _stream_counts(rank: int, peers: list[dict]) -> list[int]:
+def _stream_counts(rank: int, peers: list[dict], quiet: bool = False) -> list[int]:
     """TCP connections from ``rank`` to each rank: one on its own host, across hosts the
     fewer of the two ends' choices (:func:`choose_streams` from each end's settings), so
     both ends open the same number whatever their settings."""
@@ -119,7 +119,7 @@ def _stream_counts(rank: int, peers: list[dict]) -> list[int]:
     mine = wanted(rank)
     counts = [1 if hosts[r] == hosts[rank] else min(mine, wanted(r)) for r in range(len(hosts))]
     across = [c for r, c in enumerate(counts) if hosts[r] != hosts[rank]]
-    if across:
+    if across and not quiet:
         log.info("rank %d: %s TCP stream(s) to each of %d peers on other hosts", rank,
                  "/".join(map(str, sorted(set(across)))), len(across))
     return counts
@@ -214,17 +214,26 @@ class Communicator(Collectives):
             world = topology.World.from_hostnames(rank, [p["host"] for p in peers])
             if agreement is not None and rank == 0:
                 _say_exposed(world)
-            mesh.connect([(p["addr"], p["port"]) for p in peers], wait,
-                         _stream_counts(rank, peers))
+            counts = _stream_counts(rank, peers)
+            mesh.connect([(p["addr"], p["port"]) for p in peers], wait, counts)
             _start_heartbeats(liveness, cfg, store, peers, wait)
             p2p.start([(p["addr"], p["p2p"]) for p in peers])
             shm = None
             if cfg.shm_enable and world.local_size > 1:
                 def barrier(tag: str) -> None:
                     store.barrier(f"node{world.cross_rank}/{tag}", world.local_size, wait)
+                # every local rank works out the same chunk: from the most streams any of
+                # them opened to another host
+                streams = max(max(_stream_counts(r, peers, quiet=True))
+                              for r in world.local_ranks)
+                chunk = pipeline_chunk(cfg.shm_chunk_bytes, world.local_size, world.cross_size,
+                                       streams)
+                if chunk != cfg.shm_chunk_bytes:
+                    log.info("rank %d: shared-memory chunk %d KiB (%d streams across hosts)",
+                             rank, chunk >> 10, streams)
                 shm = ShmGroup(f"{job_id}-{uid}", world.cross_rank, world.local_rank,
-                               world.local_ranks, cfg.shm_chunk_bytes, cfg.timeout_s or 60.0,
-                               barrier, liveness)
+                               world.local_ranks, chunk, cfg.timeout_s or 60.0, barrier,
+                               liveness)
                 resources.append(shm.close)
             transport = Transport(cfg, world, mesh, shm)
             algorithms.choose(transport, cfg.allreduce_algorithm)

@@ -55,6 +55,10 @@ def _streams(text: str) -> int:
     return count
 
 
+def _auto_bytes(text: str) -> int:
+    return 0 if text.strip().lower() in ("auto", "") else parse_bytes(text)
+
+
 def parse_bytes(text: str) -> int:
     """Parse ``64MiB``, ``4k``, ``1048576``: binary units, case-insensitive."""
     units = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20,
@@ -121,7 +125,9 @@ KNOBS: dict[str, Knob] = _knobs(
     # transports and algorithms
     Knob("allreduce_algorithm", str, "auto", "auto | shm | ring | hierarchical | flat (never "
          "hierarchical: shm on one host, else ring)"),
-    Knob("shm_chunk_bytes", parse_bytes, 1 << 20, "pipeline chunk of the shared-memory path"),
+    Knob("shm_chunk_bytes", _auto_bytes, 0, "pipeline chunk of the shared-memory path: auto "
+         "(0: 1 MiB; across hosts over several TCP streams, grown until each stream carries "
+         "512 KiB per ring step, at most 32 MiB) or a size"),
     Knob("shm_enable", _parse_bool, True, "use shared memory between ranks on one host"),
     Knob("tcp_buffer_bytes", parse_bytes, 4 << 20, "socket send/receive buffer size"),
     Knob("tcp_chunk_bytes", parse_bytes, 4 << 20, "pipeline chunk of the TCP ring"),

@@ -114,6 +114,29 @@ def segment_path(job_id: str, node: int, local_rank: int) -> str:
     return os.path.join(segment_dir(), f"shoal-{job_id}-n{node}-l{local_rank}")
 
 
+#: the chunk of the shared-memory pipeline on one host, or across hosts over one TCP stream
+DEFAULT_CHUNK = 1 << 20
+#: across hosts over several streams, what each stream carries in one ring step of the
+#: hierarchical allreduce: every step ends in a wait for all of its pieces, so a step must be
+#: long against a stream's round trip (emulated cluster under a per-flow cap, 64 MiB, 4
+#: streams: 256 KiB steps 0.60x of the link floor, 1 MiB 0.77-0.89x, 2 MiB 0.89-0.90x)
+STREAM_STEP_BYTES = 512 << 10
+_MAX_AUTO_CHUNK = 32 << 20
+
+
+def pipeline_chunk(setting: int, local_size: int, cross_size: int, streams: int) -> int:
+    """The shared-memory chunk: ``setting`` when set (> 0); else 1 MiB, grown across hosts
+    over several streams until each ring step gives every stream :data:`STREAM_STEP_BYTES`
+    (a chunk is cut into ``local_size`` shards, each crossing in ``cross_size`` steps), at most
+    32 MiB. Every rank of a host must pass the same values."""
+    if setting > 0:
+        return setting
+    if streams <= 1 or cross_size <= 1:
+        return DEFAULT_CHUNK
+    want = local_size * cross_size * streams * STREAM_STEP_BYTES
+    return max(DEFAULT_CHUNK, min(_MAX_AUTO_CHUNK, want))
+
+
 class ShmGroup(ShmStreams):
     """The ranks of one host, synchronised and reducing through shared memory.
 

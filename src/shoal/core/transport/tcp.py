@@ -284,45 +284,51 @@ class TcpMesh:
 
     def _progress_send(self, sock: socket.socket, out: dict[socket.socket, deque],
                        what: str) -> None:
+        """Send on ``sock`` until its kernel buffer is full or its queue is empty (one wake-up
+        moves as much as it can: with several streams, wake-ups are the cost)."""
         queue = out[sock]
-        entry = queue[0]  # one buffer per socket at a time keeps the byte order of the stream
-        view, done = entry
-        try:
-            entry[1] = done + sock.send(view[done:])
-        except BlockingIOError:
-            return
-        except OSError as exc:
-            raise self._lost(sock, what, f"lost rank {{peer}}: {exc}") from None
-        if entry[1] == len(view):
+        while queue:
+            entry = queue[0]  # one buffer per socket at a time keeps the stream's byte order
+            view, done = entry
+            try:
+                entry[1] = done = done + sock.send(view[done:])
+            except BlockingIOError:
+                return
+            except OSError as exc:
+                raise self._lost(sock, what, f"lost rank {{peer}}: {exc}") from None
+            if done < len(view):
+                return  # the buffer is full
             queue.popleft()
-            if not queue:
-                del out[sock]
+        del out[sock]
 
     def _progress_recv(self, sock: socket.socket, inc: dict[socket.socket, deque],
                        on_recv: Callable[[int, int, int], None] | None, what: str) -> None:
+        """Receive on ``sock`` until it has nothing more or its queue is empty."""
         queue = inc[sock]
-        entry = queue[0]
-        view, done, track, k = entry
-        try:
-            n = sock.recv_into(view[done:])
-        except BlockingIOError:
-            return
-        except OSError as exc:
-            raise self._lost(sock, what, f"lost rank {{peer}}: {exc}") from None
-        if n == 0:
-            raise self._lost(sock, what, "rank {peer} closed its connection (it exited or "
-                                         "crashed)")
-        entry[1] = done + n
-        track.done[k] = entry[1]
-        if entry[1] == len(view):
-            queue.popleft()
-            if not queue:
-                del inc[sock]
-        if on_recv is not None and k == track.next:
-            now = track.prefix()
-            if now > track.reported:
-                track.reported = now
-                on_recv(track.index, now, track.total)
+        while queue:
+            entry = queue[0]
+            view, done, track, k = entry
+            try:
+                n = sock.recv_into(view[done:])
+            except BlockingIOError:
+                return
+            except OSError as exc:
+                raise self._lost(sock, what, f"lost rank {{peer}}: {exc}") from None
+            if n == 0:
+                raise self._lost(sock, what, "rank {peer} closed its connection (it exited "
+                                             "or crashed)")
+            entry[1] = done = done + n
+            track.done[k] = done
+            if done == len(view):
+                queue.popleft()
+            if on_recv is not None and k == track.next:
+                now = track.prefix()
+                if now > track.reported:
+                    track.reported = now
+                    on_recv(track.index, now, track.total)
+            if done < len(view):
+                return  # drained what had arrived
+        del inc[sock]
 
     def _silent(self, peers: list[int], what: str) -> None:
         raise PeerLostError(f"rank {self.rank}: no progress from ranks {peers} during {what} for "
