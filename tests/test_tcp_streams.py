@@ -14,6 +14,7 @@ import pytest
 from harness import run_ranks
 from reference import assert_matches, rank_input, reference
 from shoal.core.errors import PeerLostError
+from shoal.core.transport.shm import DEFAULT_CHUNK, STREAM_STEP_BYTES, pipeline_chunk
 from shoal.core.transport.tcp import AUTO_STREAMS, TcpMesh, choose_streams, stripe_plan
 
 SECRET = b"s" * 32
@@ -187,3 +188,11 @@ def test_ends_with_different_settings_agree_on_the_fewer_streams() -> None:
     assert results[0][1] == results[1][0] == 2
     assert results[0][2] == results[2][0] == 3
     assert results[1][2] == results[2][1] == 2
+
+
+def test_the_shared_memory_chunk_grows_for_several_streams() -> None:
+    assert pipeline_chunk(0, 2, 1, 4) == DEFAULT_CHUNK  # one host
+    assert pipeline_chunk(0, 2, 2, 1) == DEFAULT_CHUNK  # one stream across hosts
+    assert pipeline_chunk(0, 2, 2, 4) == 2 * 2 * 4 * STREAM_STEP_BYTES  # 8 MiB
+    assert pipeline_chunk(0, 8, 16, 4) == 32 << 20  # at most 32 MiB
+    assert pipeline_chunk(3 << 20, 2, 2, 4) == 3 << 20  # a setting wins
