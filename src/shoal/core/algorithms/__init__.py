@@ -1,7 +1,8 @@
 """Reduction algorithms over a :class:`~shoal.core.transport.Transport`.
 
 An allreduce algorithm is ``fn(transport, srcs, dsts, op, dtype, codec, what, phases)`` on
-flat, contiguous arrays (the fused request), registered by name; a source and its destination
+flat, contiguous arrays (the fused request), registered by name, returning the dtype its
+bytes took over TCP (None if none did); a source and its destination
 may be the same array. :func:`select` picks one by topology (the choice can be forced with
 ``SHOAL_ALLREDUCE_ALGORITHM``), :func:`choose` records it on the transport, and
 :func:`allreduce` runs the chosen one. :func:`reducescatter` picks its route by topology
@@ -83,15 +84,17 @@ def choose(transport: Transport, requested: str) -> str:
 
 def allreduce(transport: Transport, srcs: Sequence[np.ndarray], dsts: Sequence[np.ndarray],
               op: ReduceOp, dtype: str, codec: Codec, what: str,
-              phases: dict[str, float] | None = None) -> None:
+              phases: dict[str, float] | None = None) -> str | None:
     """Reduce the flat arrays ``srcs`` (one logical dtype) into ``dsts`` as one fused
-    buffer, with the transport's chosen algorithm."""
+    buffer, with the transport's chosen algorithm; the dtype its bytes took over TCP (a
+    half-precision sum may take float32: :mod:`.wire16`), None if none crossed TCP."""
     if transport.size == 1:
         for s, d in zip(srcs, dsts, strict=True):
             if s is not d:
                 np.copyto(d, s)
-        return
-    ALGORITHMS[transport.algorithm](transport, srcs, dsts, op, dtype, codec, what, phases)
+        return None
+    return ALGORITHMS[transport.algorithm](transport, srcs, dsts, op, dtype, codec, what,
+                                           phases)
 
 
 # import for their registration side effect

@@ -15,7 +15,7 @@ import numpy as np
 from ..compression import Codec, storage_dtype
 from ..reduction import ReduceOp, finalize, narrow, reduce_into, widen
 from ..transport import Transport
-from . import register
+from . import register, wire16
 from .doubling import doubling_allreduce
 from .ring import ring_allreduce
 
@@ -79,30 +79,32 @@ def _cross(transport: Transport, group: Sequence[int], buf: np.ndarray, reduce, 
 
 def _wide_cross(transport: Transport, group: Sequence[int], wide: np.ndarray, op: ReduceOp,
                 count: int, what: str) -> None:
-    """Sum float32 ``wide`` across hosts in place (an average divides by ``count`` at the
-    end). Half-precision sums and averages cross hosts this way, whether the tensor is half
-    precision or a compression codec made it so: partial sums never round or overflow on the
-    way, and only the result is rounded, once. The price: twice a 16-bit wire's bytes on
-    the hop between hosts."""
+    """Sum float32 ``wide`` across hosts in place, float32 on the wire (an average divides by
+    ``count`` at the end): the route of a float16 sum whose partial sums could pass 65504
+    (:func:`wire16.choose`), rounded once at the end."""
     finish = partial(finalize, op=op, count=count, dtype="float32") \
         if op == ReduceOp.AVERAGE and count > 1 else None
     _cross(transport, group, wide, partial(reduce_into, op=op, dtype="float32"), finish, what)
 
 
-def _half_sum(op: ReduceOp, wire: str) -> bool:
-    return wire in ("float16", "bfloat16") and op in (ReduceOp.SUM, ReduceOp.AVERAGE)
+_half_sum = wire16.applies
 
 
-def _ring_over(transport: Transport, group: Sequence[int], srcs, dsts, op, dtype, codec, what):
+def _ring_over(transport: Transport, group: Sequence[int], srcs, dsts, op, dtype, codec,
+               what) -> str:
     wire = codec.wire_dtype(dtype)
     reduce = partial(reduce_into, op=op, dtype=wire)
+    half = _half_sum(op, wire) and wire16.choose(transport, srcs, dtype, op, wire, what)
     if len(srcs) == 1 and wire == dtype:  # reduce in the destination itself, no packing
         buf = dsts[0]
         if buf is not srcs[0]:
             np.copyto(buf, srcs[0])
     else:
         buf = _pack(srcs, storage_dtype(wire), codec)
-    if _half_sum(op, wire):
+    if half == wire:
+        wire16.allreduce(transport, group, wire16.start(buf, wire, op, transport.size), buf,
+                         wire, what)
+    elif half:
         wide = widen(buf, wire)
         _wide_cross(transport, group, wide, op, transport.size, what)
         narrow(wide, buf, wire)
@@ -110,6 +112,7 @@ def _ring_over(transport: Transport, group: Sequence[int], srcs, dsts, op, dtype
         _cross(transport, group, buf, reduce, _finisher(op, wire, transport.size), what)
     if buf is not dsts[0]:
         _unpack(buf, dsts, codec)
+    return half or wire
 
 
 @functools.cache
@@ -136,34 +139,41 @@ def shm_allreduce(transport: Transport, srcs, dsts, op: ReduceOp, dtype: str, co
 
 @register("ring", requires=lambda transport: None)
 def flat_ring_allreduce(transport: Transport, srcs, dsts, op: ReduceOp, dtype: str, codec: Codec,
-                        what: str, phases=None) -> None:
+                        what: str, phases=None) -> str:
     """Every rank in one TCP ring (recursive doubling for small messages), whatever host it
     is on."""
-    _ring_over(transport, range(transport.size), srcs, dsts, op, dtype, codec, what)
+    return _ring_over(transport, range(transport.size), srcs, dsts, op, dtype, codec, what)
 
 
 @register("hierarchical", requires=_needs_hierarchy)
 def hierarchical_allreduce(transport: Transport, srcs, dsts, op: ReduceOp, dtype: str,
-                           codec: Codec, what: str, phases=None) -> None:
+                           codec: Codec, what: str, phases=None) -> str:
     """Reduce-scatter on the host, ring across hosts per shard (all local ranks at once),
     allgather on the host: the SMDDP shape, every core and link busy together."""
     group = transport.world.cross_peers
     if not transport.has_shm:  # one rank per host: the cross ring is the whole job
-        _ring_over(transport, group, srcs, dsts, op, dtype, codec, what)
-        return
+        return _ring_over(transport, group, srcs, dsts, op, dtype, codec, what)
     wire = codec.wire_dtype(dtype)
     reduce = partial(reduce_into, op=op, dtype=wire)
     finish = _finisher(op, wire, transport.size)
     cross: Callable[[np.ndarray], None] | None = None
-    if _half_sum(op, wire):
+    half = _half_sum(op, wire) and wire16.choose(transport, srcs, dtype, op, wire, what)
+    if half:
         def local(part: np.ndarray, peers: list[np.ndarray],
                   first: np.ndarray | None = None) -> None:
-            # the host's sum stays float32 through the hop between hosts: one rounding
+            # the host's sum stays float32 through the hop between hosts: one rounding per
+            # hop on a 16-bit wire, none on a float32 one
             wide = widen(part if first is None else first, wire)
             for peer in peers:
                 wide += widen(peer, wire)
-            _wide_cross(transport, group, wide, op, transport.size, what)
-            narrow(wide, part, wire)
+            if op == ReduceOp.AVERAGE:  # the host's sum over the world size: an average of
+                np.divide(wide, transport.size, out=wide)  # inputs, within their range
+            if half == wire:
+                wire16.allreduce(transport, group, wide, part, wire, what)
+            else:
+                _cross(transport, group, wide, partial(reduce_into, op=ReduceOp.SUM,
+                                                       dtype="float32"), None, what)
+                narrow(wide, part, wire)
         finish = None
     else:
         local = reduce
@@ -175,3 +185,4 @@ def hierarchical_allreduce(transport: Transport, srcs, dsts, op: ReduceOp, dtype
                              encode=codec.encode if wire != dtype else None,
                              decode=codec.decode if wire != dtype else None,
                              cross=cross, finish=finish, phases=phases, what=what)
+    return half or wire

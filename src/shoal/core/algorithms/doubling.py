@@ -16,7 +16,7 @@ import numpy as np
 
 from ..transport import Transport
 
-__all__ = ["doubling_allreduce"]
+__all__ = ["doubling_allreduce", "doubling_rounds"]
 
 
 def _bytes(a: np.ndarray) -> memoryview:
@@ -28,25 +28,44 @@ def doubling_allreduce(transport: Transport, group: Sequence[int], buf: np.ndarr
                        finish: Callable[[np.ndarray], None] | None = None,
                        what: str = "allreduce") -> None:
     """Allreduce the flat array ``buf`` in place among the global ranks ``group``."""
+    tmp = np.empty_like(buf)
+
+    def combine() -> None:
+        reduce(buf, [tmp])
+
+    def done() -> None:
+        if finish is not None:
+            finish(buf)
+
+    doubling_rounds(transport, group, lambda: buf, tmp, buf, combine, combine, done, what)
+
+
+def doubling_rounds(transport: Transport, group: Sequence[int],
+                    outgoing: Callable[[], np.ndarray], incoming: np.ndarray,
+                    result: np.ndarray, fold: Callable[[], None],
+                    combine: Callable[[], None], done: Callable[[], None], what: str) -> None:
+    """The rounds of recursive doubling, whatever the accumulator: ``outgoing()`` is what this
+    rank sends (its current value on the wire), ``incoming`` what a partner's lands in,
+    ``fold()`` adds a folded rank's ``incoming`` and ``combine()`` a partner's, ``done()``
+    leaves the result in ``result`` (which a folded rank receives)."""
     n = len(group)
     me = list(group).index(transport.rank)
     p2 = 1 << (n.bit_length() - 1)
-    tmp = np.empty_like(buf)
     if me >= p2:  # fold into a partner, then wait for the answer
         partner = group[me - p2]
-        transport.send(partner, _bytes(buf), what)
-        transport.recv_into(partner, _bytes(buf), what)
+        transport.send(partner, _bytes(outgoing()), what)
+        transport.recv_into(partner, _bytes(result), what)
         return
     if me + p2 < n:
-        transport.recv_into(group[me + p2], _bytes(tmp), what)
-        reduce(buf, [tmp])
+        transport.recv_into(group[me + p2], _bytes(incoming), what)
+        fold()
     mask = 1
     while mask < p2:
         partner = group[me ^ mask]
-        transport.exchange([(partner, _bytes(buf))], [(partner, _bytes(tmp))], what=what)
-        reduce(buf, [tmp])
+        transport.exchange([(partner, _bytes(outgoing()))], [(partner, _bytes(incoming))],
+                           what=what)
+        combine()
         mask <<= 1
-    if finish is not None:
-        finish(buf)
+    done()
     if me + p2 < n:
-        transport.send(group[me + p2], _bytes(buf), what)
+        transport.send(group[me + p2], _bytes(result), what)

@@ -8,8 +8,9 @@
   ring, all local ranks at once; each host link carries (H-1)/H of the data, H hosts;
 - no shared memory (``ring``): one TCP ring over every rank.
 
-Half-precision sums leave each host in float32 (the host stage reads 16-bit words and sums
-them in float32), cross hosts in float32, as the allreduce's do, and round once at the end.
+Half-precision sums are summed in float32 on each host (the host stage reads 16-bit words)
+and cross hosts as 16-bit words added in float32 at every hop (:mod:`.wire16`: averages
+divided first; a float16 sum that could overflow crosses as float32), as the allreduce's do.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import numpy as np
 
 from ..reduction import ReduceOp, finalize, narrow, reduce_into, widen
 from ..transport import Transport
+from . import wire16
 from .ring import ring_reducescatter
 
 __all__ = ["reducescatter"]
@@ -29,19 +31,30 @@ _HALF = ("float16", "bfloat16")
 
 
 def _over_ring(transport: Transport, group: Sequence[int], work: np.ndarray,
-               bounds: Sequence[int], op: ReduceOp, dtype: str, what: str) -> np.ndarray:
+               bounds: Sequence[int], op: ReduceOp, dtype: str, wire: str | None,
+               what: str) -> np.ndarray:
     """Reduce-scatter ``work`` (a scratch buffer, reduced in place) around ``group``; returns
-    this rank's reduced block, in float32 for half precision."""
+    this rank's reduced block. ``wire``: the 16-bit dtype of a half-precision sum's words on
+    the wire (:mod:`.wire16`; ``work`` is then the float32 accumulator, an average already
+    divided), or None for ``dtype`` on the wire."""
+    if wire is not None:
+        return wire16.reducescatter(transport, group, work, bounds, wire, what)
     me = group.index(transport.rank)
-    if dtype in _HALF:
-        work = widen(work, dtype)
-        wire = "float32"
-    else:
-        wire = dtype
     ring_reducescatter(transport, group, work, bounds,
-                       functools.partial(reduce_into, op=op, dtype=wire),
+                       functools.partial(reduce_into, op=op, dtype=dtype),
                        block_bytes=transport.cfg.tcp_chunk_bytes, what=what)
     return work[bounds[me]:bounds[me + 1]]
+
+
+def _plan(transport: Transport, src: np.ndarray, op: ReduceOp, dtype: str,
+          what: str) -> tuple[str | None, int]:
+    """A half-precision sum's 16-bit wire (None: the data's own dtype, or float32 for a float16
+    sum that could overflow) and what the result is still to be divided by."""
+    n = transport.size
+    if not wire16.applies(op, dtype):
+        return None, n
+    half = wire16.choose(transport, [src], dtype, op, dtype, what)
+    return (half, 1) if half == dtype else (None, n)
 
 
 def _wide_sum(wire: str) -> Callable[..., None]:
@@ -78,9 +91,17 @@ def reducescatter(transport: Transport, src: np.ndarray, dst: np.ndarray, bounds
                                      functools.partial(reduce_into, op=op, dtype=dtype,
                                                        divide_by=divide), what)
         return
+    half, count = _plan(transport, src, op, dtype, what)
     if not transport.has_shm or not world.homogeneous:
-        block = _over_ring(transport, range(n), src.copy(), bounds, op, dtype, what)
-        _finish(block, dst, op, dtype, n)
+        if half is not None:
+            work = wire16.start(src, dtype, op, n)
+        elif dtype in _HALF:
+            work = widen(src, dtype)
+        else:
+            work = src.copy()
+        block = _over_ring(transport, range(n), work, bounds, op,
+                           "float32" if dtype in _HALF else dtype, half, what)
+        _finish(block, dst, op, dtype, count)
         return
     # hierarchical: blocks regrouped by local rank, then by host
     hosts, local = world.cross_size, world.local_size
@@ -96,7 +117,9 @@ def reducescatter(transport: Transport, src: np.ndarray, dst: np.ndarray, bounds
     mine = np.empty(local_bounds[lr + 1] - local_bounds[lr], np.float32 if wide else src.dtype)
     transport.host_reducescatter(perm, mine, local_bounds, _wide_sum(dtype) if wide else
                                  functools.partial(reduce_into, op=op, dtype=dtype), what)
+    if half is not None and op == ReduceOp.AVERAGE:  # divided before the wire
+        np.divide(mine, n, out=mine)
     cross_bounds = [s - local_bounds[lr] for s in starts[lr * hosts:(lr + 1) * hosts + 1]]
     block = _over_ring(transport, world.cross_peers, mine, cross_bounds, op,
-                       "float32" if wide else dtype, what)
-    _finish(block, dst, op, dtype, n)
+                       "float32" if wide else dtype, half, what)
+    _finish(block, dst, op, dtype, count)

@@ -73,17 +73,18 @@ class Executor:
         for req in bucket:
             req.make_ready()
         start = time.perf_counter()
-        algorithms.allreduce(self.transport, [r.array for r in bucket],
-                             [r.out for r in bucket], first.op, first.dtype, first.codec, what,
-                             phases)
+        wire = algorithms.allreduce(self.transport, [r.array for r in bucket],
+                                    [r.out for r in bucket], first.op, first.dtype,
+                                    first.codec, what, phases)
         end = time.perf_counter()
         for req in bucket:
             req.future.set_result(req.out if req.result is None else req.result)
         if tl is not None:
             nbytes = sum(r.array.nbytes for r in bucket)
+            facts = {"wire": wire} if wire is not None else {}  # the dtype on TCP
             for req in bucket:
                 self._trace(tl, req, t0, t1, start, end, phases, fusion_buffer=self.buffers,
-                            tensors=len(bucket), bytes=nbytes)
+                            tensors=len(bucket), bytes=nbytes, **facts)
             tl.span("fusion buffers", "ALLREDUCE", start, end,
                                buffer=self.buffers, tensors=[r.name for r in bucket],
                                bytes=nbytes)
