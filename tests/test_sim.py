@@ -16,6 +16,7 @@ from shoal.sim.collectives import (
     allreduce_time,
     doubling_time,
     flat_ring_time,
+    hierarchical_time,
     nccl_ring_time,
     ring_time,
 )
@@ -238,3 +239,26 @@ def test_cli(tmp_path, capsys) -> None:
     assert main(["sim", "--validate"]) == 0
     assert main(["sim", "--calibrate"]) == 0
     assert "Calibration" in capsys.readouterr().out
+
+
+def test_the_per_flow_cap_sets_the_streams_a_cluster_needs(capsys) -> None:
+    p4d, tcp = PRESETS["p4d.24xlarge"], PRESETS["tcp-100g"]
+    assert p4d.streams_needed(8) == 5  # 400 Gbit/s over 8 ranks at 10 Gbit/s a flow
+    assert p4d.replace(flow_cap=5e9 / 8).streams_needed(8) == 10  # outside a placement group
+    assert tcp.streams_needed(8) == 2 and tcp.streams_needed(1) == 10
+    assert PRESETS["this-machine"].streams_needed(2) == 1  # no cap
+    assert p4d.cross_bandwidth(8) == pytest.approx(4 * 10e9 / 8)  # auto's 4 streams: 80%
+    assert p4d.cross_bandwidth(8, streams=5) == pytest.approx(50e9 / 8)
+    # on the emulated cluster's link capped at a quarter, as in BENCHMARKS.md: one stream per
+    # rank gets a quarter of the link, two ranks half; four streams fill it
+    box = PRESETS["this-machine"]
+    capped = box.replace(flow_cap=box.nic.bandwidth / 4)
+    one, four = (hierarchical_time(capped.replace(streams=s), 64 << 20, 2, 2) for s in (1, 4))
+    assert one > 1.8 * four
+    assert four == pytest.approx(hierarchical_time(box, 64 << 20, 2, 2))
+    assert main(["sim", "--hardware", "p4d.24xlarge", "--nodes", "2", "--plot", ""]) == 0
+    assert "5 stream(s) per peer fill it (SHOAL_TCP_STREAMS=5); at 4, shoal's TCP gets 80%" \
+        in capsys.readouterr().out
+    assert main(["sim", "--hardware", "tcp-100g", "--nodes", "2", "--plot", "",
+                 "--flow-cap", "5"]) == 0
+    assert "3 stream(s) per peer" in capsys.readouterr().out

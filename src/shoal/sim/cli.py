@@ -20,7 +20,7 @@ from shoal.bench.models import param_shapes
 
 from .calibration import MEASURED_CLUSTER, calibrate, validate
 from .engine_model import STRATEGIES, scaling
-from .hardware import PRESETS, get_hardware
+from .hardware import PRESETS, Hardware, get_hardware
 from .models import MODELS, load_timeline, model_profile
 from .report import format_table, plot, rows_to_dicts
 
@@ -38,6 +38,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="forward+backward seconds per image per worker (overrides presets)")
     p.add_argument("--workers", type=int, help="workers per node (default: the hardware's)")
     p.add_argument("--nodes", default="1,2,4,8,16,32,64")
+    p.add_argument("--flow-cap", type=float, default=None,
+                   help="Gbit/s one TCP connection may carry (0: no cap; default: the "
+                        "hardware's)")
+    p.add_argument("--streams", type=int, default=None,
+                   help="shoal's TCP streams per cross-node peer (default: auto's 4)")
     p.add_argument("--strategies", default=",".join(STRATEGIES),
                    help=f"comma-separated, from {', '.join(STRATEGIES)}")
     p.add_argument("--cycle-ms", type=float, help="override every strategy's cycle time")
@@ -59,10 +64,27 @@ def _measured(path: str) -> dict:
     """MEASURED_CLUSTER's shape from a ``shoal bench cluster`` results file (first size)."""
     res = json.loads(Path(path).read_text())["results"][0]
     key = str(res["sizes"][0])
-    pick = {a: (res["methods"][f"shoal-{a}"][key]["min"],
-                res["methods"][f"shoal-{a}"][key]["median"]) for a in ("hierarchical", "ring")}
+    pick = {}
+    for a in ("hierarchical", "ring"):  # one stream where measured (the model's link)
+        names = sorted((n for n in res["methods"] if n.split("@")[0] == f"shoal-{a}"),
+                       key=lambda n: not n.endswith("@1"))
+        st = res["methods"][names[0]][key]
+        pick[a] = (st["min"], st["median"])
     return {"nbytes": int(key), "nodes": res["nodes"], "local": res["np"] // res["nodes"],
             "link_Bps": res["link_Bps"], **pick}
+
+
+def streams_line(hw: Hardware, local: int) -> str:
+    """What the per-flow cap asks of shoal's TCP streams on ``hw`` with ``local`` workers per
+    node crossing at once (hierarchical: every local rank has its own peers)."""
+    nic = hw.nic.bandwidth * 8 / 1e9
+    if hw.flow_cap is None:
+        return f"TCP across nodes: {nic:g} Gbit/s NIC, no per-flow cap: 1 stream per peer fills it"
+    need = hw.streams_needed(local)
+    reach = hw.cross_bandwidth(local) * local / hw.nic.bandwidth
+    return (f"TCP across nodes: {nic:g} Gbit/s NIC, {hw.flow_cap * 8 / 1e9:g} Gbit/s per "
+            f"flow, {local} workers crossing at once: {need} stream(s) per peer fill it "
+            f"(SHOAL_TCP_STREAMS={need}); at {hw.streams}, shoal's TCP gets {reach:.0%} of it")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -84,6 +106,11 @@ def run(args: argparse.Namespace) -> int:
                   f"{v.measured_median_s * 1e3:7.1f}), error {v.error:+.1%}")
         return 0 if worst <= 0.2 else 1
     hw = get_hardware(args.hardware)
+    if args.flow_cap is not None:
+        hw = hw.replace(flow_cap=args.flow_cap * 1e9 / 8 if args.flow_cap > 0 else None)
+    if args.streams is not None:
+        hw = hw.replace(streams=args.streams)
+    print(streams_line(hw, args.workers or hw.workers_per_node))
     profile, ceiling = model_profile(args.model, hw, batch=args.batch,
                                      time_per_image=args.time_per_image)
     if args.timeline:

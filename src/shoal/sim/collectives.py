@@ -17,6 +17,9 @@ They mirror shoal's algorithms (``shoal.core.algorithms``):
 * ``nccl``: a Horovod-style flat ring over every GPU, pipelined as NCCL does it: the latency
   is the sum of hop latencies, not steps times the slowest hop.
 
+Across nodes shoal's TCP is held to its streams times the network's per-flow cap
+(:meth:`Hardware.cross_bandwidth`); NCCL's ring is modelled on EFA (SRD), which has none.
+
 On GPU hardware shoal stages gradients through pinned host memory (PCIe both ways) and runs
 the host algorithms there; the ``nccl`` ring runs on the devices over NVLink and the NIC.
 """
@@ -94,8 +97,8 @@ def flat_ring_time(hw: Hardware, nbytes: float, nodes: int, local: int,
     hops = []
     if local > 1:
         hops.append((hw.tcp_loopback.bandwidth, hw.tcp_loopback.latency))
-    if nodes > 1:
-        hops.append((hw.nic.bandwidth * nic_efficiency, hw.nic.latency))
+    if nodes > 1:  # one rank per node sends across at a time
+        hops.append((hw.cross_bandwidth(1, nic_efficiency), hw.nic.latency))
     if not hops:
         return _staging(hw, nbytes)
     bw = min(b for b, _ in hops)
@@ -106,18 +109,19 @@ def flat_ring_time(hw: Hardware, nbytes: float, nodes: int, local: int,
 def hierarchical_time(hw: Hardware, nbytes: float, nodes: int, local: int,
                       nic_efficiency: float = 1.0, pipelined: bool | str = False) -> float:
     """shoal's ``hierarchical`` (``shm`` on one node)."""
-    bw = hw.nic.bandwidth * nic_efficiency
     if nodes <= 1:
         return _staging(hw, nbytes) + shm_time(hw, nbytes, local)
     if local <= 1:  # no shared memory: the cross-node ring is the whole job
-        return _staging(hw, nbytes) + tcp_ring_time(hw, nbytes, nodes, bw, hw.nic.latency)
+        return _staging(hw, nbytes) + tcp_ring_time(
+            hw, nbytes, nodes, hw.cross_bandwidth(1, nic_efficiency), hw.nic.latency)
+    bw = hw.cross_bandwidth(local, nic_efficiency)  # each local rank's, all crossing at once
     chunks = max(1, math.ceil(nbytes / hw.shm_chunk))
     chunk = nbytes / chunks
     shard = chunk / local  # what each local rank reduces across nodes, all at once
     if shard <= hw.small_message:
-        one = doubling_time(shard, nodes, bw / local, hw.nic.latency)
+        one = doubling_time(shard, nodes, bw, hw.nic.latency)
     else:
-        one = tcp_ring_time(hw, shard, nodes, bw / local, hw.nic.latency, local)
+        one = tcp_ring_time(hw, shard, nodes, bw, hw.nic.latency, local)
     intra = shm_time(hw, nbytes, local)
     if not pipelined:
         return _staging(hw, nbytes) + intra + chunks * one
@@ -127,7 +131,7 @@ def hierarchical_time(hw: Hardware, nbytes: float, nodes: int, local: int,
         return _staging(hw, nbytes) + max(intra, cross) + min(intra, cross) / chunks
     # overlapped: phases of different chunks run at once; the cross ring's latency is paid
     # once per buffer (several chunks in flight), the slowest phase sets the pace
-    latency = one - ring_time(shard, nodes, bw / local, 0.0) if shard > hw.small_message \
+    latency = one - ring_time(shard, nodes, bw, 0.0) if shard > hw.small_message \
         else one / 2
     phases = [intra, chunks * (one - latency), _staging(hw, nbytes)]
     return max(phases) + latency + (sum(phases) - max(phases)) / chunks

@@ -15,6 +15,7 @@ an explicit assumption.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,12 +76,33 @@ class Hardware:
     shm_per_peer: float = 1.8
     shm_chunk: int = 1 << 20          # SHOAL_SHM_CHUNK_BYTES (the hierarchical pipeline unit)
     small_message: int = 64 << 10     # SHOAL_SMALL_MESSAGE_BYTES (doubling below, ring above)
+    # what the network lets one TCP connection carry (bytes/s; None: the NIC), and shoal's
+    # TCP streams per peer on another host (SHOAL_TCP_STREAMS; auto opens 4)
+    flow_cap: float | None = None
+    streams: int = 4
     sources: tuple[str, ...] = ()
 
     @property
     def gpu(self) -> bool:
         """True when workers drive accelerators (gradients start in device memory)."""
         return self.device_link is not None
+
+    def cross_bandwidth(self, concurrent: int, nic_efficiency: float = 1.0,
+                        streams: int | None = None) -> float:
+        """What each of ``concurrent`` ranks sending across the NIC at once gets: its share of
+        the link, at most ``streams`` (default :attr:`streams`) connections at the per-flow
+        cap."""
+        share = self.nic.bandwidth * nic_efficiency / max(1, concurrent)
+        if self.flow_cap is None:
+            return share
+        return min(share, (streams or self.streams) * self.flow_cap)
+
+    def streams_needed(self, concurrent: int) -> int:
+        """The fewest TCP streams per peer with which ``concurrent`` ranks crossing at once
+        fill the NIC under the per-flow cap (1 without a cap)."""
+        if self.flow_cap is None:
+            return 1
+        return max(1, math.ceil(self.nic.bandwidth / (concurrent * self.flow_cap) - 1e-9))
 
     def replace(self, **changes: Any) -> Hardware:
         """A copy with some fields changed (for sweeps and what-if calibration)."""
@@ -120,7 +142,11 @@ PRESETS: dict[str, Hardware] = {
         per_tensor=3e-6,          # assumption: C++-speed engine bookkeeping per tensor
         per_collective=30e-6,     # assumption: launch + fusion-buffer bookkeeping
         ctrl_msg=3e-6,
+        flow_cap=10e9 / 8,        # AWS: a TCP flow is held to 10 Gbit/s inside a cluster
+                                  # placement group (5 Gbit/s outside); EFA's SRD is not
         sources=("https://aws.amazon.com/ec2/instance-types/p4/",
+                 "https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/"
+                 "ec2-instance-network-bandwidth.html (per-flow limits)",
                  "https://www.nvidia.com/en-us/data-center/a100/",
                  "https://github.com/NVIDIA/nccl-tests (busbw definition)"),
     ),
@@ -143,7 +169,10 @@ PRESETS: dict[str, Hardware] = {
         per_tensor=3e-6,
         per_collective=30e-6,
         ctrl_msg=3e-6,
+        flow_cap=10e9 / 8,        # AWS: 10 Gbit/s per TCP flow in a cluster placement group
         sources=("https://aws.amazon.com/ec2/instance-types/p3/",
+                 "https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/"
+                 "ec2-instance-network-bandwidth.html (per-flow limits)",
                  "https://www.nvidia.com/en-us/data-center/v100/"),
     ),
     "this-machine": Hardware(
@@ -172,6 +201,17 @@ PRESETS: dict[str, Hardware] = {
                  "shoal bench cluster --sizes 16M --trials 3"),
     ),
 }
+
+
+PRESETS["tcp-100g"] = PRESETS["p4d.24xlarge"].replace(
+    name="tcp-100g",
+    description="8 x A100 40GB, NVSwitch, 100 Gbit/s TCP (a cloud VM without EFA/RDMA)",
+    nic=Link(12.5 * GB,           # 100 Gbit/s
+             30e-6),              # assumption: kernel TCP one-way small-message latency
+    flow_cap=10e9 / 8,            # assumption: EC2's in-placement-group 10 Gbit/s per flow
+    sources=("assumption: p4d.24xlarge's node on a 100 Gbit/s TCP network",
+             "https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/"
+             "ec2-instance-network-bandwidth.html (per-flow limits)"))
 
 
 def get_hardware(name: str) -> Hardware:
