@@ -6,7 +6,9 @@ ranks in each; ``--flow-cap`` also holds every TCP connection to that rate, as c
 (:class:`~shoal.bench.netns.EmulatedCluster`). In one job, alternating trial by trial: shoal's
 ``hierarchical`` algorithm at each of ``--streams`` TCP connections per cross-host peer
 (the job is rebuilt between methods of different stream counts, outside the timing), shoal's
-flat ``ring`` at the most streams, and torch's gloo ring. The physical limits are measured in
+flat ``ring`` at the most streams, ``hierarchical`` with ``Compression.fp16`` (an Average: 16-bit
+words between hosts, :mod:`shoal.core.algorithms.wire16`) at the most streams, and torch's
+gloo ring. The physical limits are measured in
 the same run with raw TCP (:func:`~shoal.bench.flows.probe`): one connection (a per-flow cap
 shows here) and 16 together (the link). Every method is shown as a ratio to the link-bound
 floor ``2 (M-1)/M x bytes / link bandwidth`` (M nodes): the bytes each host's link must carry
@@ -68,6 +70,7 @@ def worker_main(argv: Sequence[str]) -> None:
     args = p.parse_args(argv)
     import shoal
     from shoal.core import algorithms
+    from shoal.core.compression import Compression
     joined: dict[str, int] = {}
 
     def join(streams: int) -> None:
@@ -104,11 +107,19 @@ def worker_main(argv: Sequence[str]) -> None:
         methods: dict[str, tuple[int | None, Callable[[], Any]]] = {}
         plan = [("hierarchical", label, v) for label, v in settings.items()]
         plan += [("ring", label, v) for label, v in settings.items() if v == most]
-        for algo, label, streams in plan:
-            def run_algo(algo: str = algo, x: np.ndarray = x, out: np.ndarray = out) -> None:
+        plan += [("hierarchical+fp16", label, v) for label, v in settings.items() if v == most]
+        for method, label, streams in plan:
+            algo, _, codec = method.partition("+")
+
+            def run_algo(algo: str = algo, codec: str = codec, x: np.ndarray = x,
+                         out: np.ndarray = out) -> None:
                 algorithms.choose(shoal.communicator().transport, algo)
-                shoal.allreduce(x, op=shoal.Sum, name="cluster", out=out)
-            methods[f"shoal-{algo}@{label}"] = (streams, run_algo)
+                if codec:  # the 16-bit wire: what Compression.fp16 sends between hosts
+                    shoal.allreduce(x, op=shoal.Average, name="cluster16", out=out,
+                                    compression=Compression.fp16)
+                else:
+                    shoal.allreduce(x, op=shoal.Sum, name="cluster", out=out)
+            methods[f"shoal-{method}@{label}"] = (streams, run_algo)
         if gloo is not None:
             t = torch.from_numpy(x.copy())
             methods["gloo-ring"] = (None, lambda t=t: gloo.all_reduce(t))
@@ -163,7 +174,7 @@ def format_table(result: dict[str, Any]) -> str:
     lines = [f"{result['nodes']} emulated nodes x {LOCAL} ranks, link {result['rate']}{cap}: "
              f"measured {result['link_Bps'] * 8 / 1e9:.3f} Gbit/s over {LINK_FLOWS} "
              f"connections, {result['flow_Bps'] * 8 / 1e9:.3f} Gbit/s over one",
-             f"{'size':>8} | {'method':>24} | {'streams':>7} | {'min ms':>9} | "
+             f"{'size':>8} | {'method':>29} | {'streams':>7} | {'min ms':>9} | "
              f"{'median ms':>9} | {'spread':>7} | {'floor / it':>10} | {'gloo / it':>9}"]
     m = result["nodes"]
     for nbytes in result["sizes"]:
@@ -174,7 +185,7 @@ def format_table(result: dict[str, Any]) -> str:
             st = per[key]
             vs = f"{gloo['median'] / st['median']:8.2f}x" if gloo else "   n/a"
             streams = result["streams"].get(name, "")
-            lines.append(f"{human_bytes(nbytes):>8} | {name:>24} | {streams!s:>7} | "
+            lines.append(f"{human_bytes(nbytes):>8} | {name:>29} | {streams!s:>7} | "
                          f"{st['min'] * 1e3:9.1f} | {st['median'] * 1e3:9.1f} | "
                          f"{st['spread']:6.0%} | "
                          f"{floor / st['median']:9.2f}x | {vs}")

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from .casts import cast_into
 from .reduction import bf16_to_f32, f32_to_bf16
 
 __all__ = ["Codec", "Compression", "Compressor", "compressors", "storage_dtype",
@@ -29,7 +30,7 @@ def storage_dtype(logical: str) -> np.dtype:
 
 
 def _copy(src: np.ndarray, dst: np.ndarray) -> None:
-    np.copyto(dst, src, casting="unsafe")
+    cast_into(src, dst)
 
 
 def _to_bf16(src: np.ndarray, dst: np.ndarray) -> None:

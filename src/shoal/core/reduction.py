@@ -13,6 +13,8 @@ import enum
 
 import numpy as np
 
+from .casts import cast_into
+
 __all__ = [
     "SUPPORTED_DTYPES",
     "Adasum",
@@ -175,7 +177,9 @@ def widen(x: np.ndarray, dtype: str) -> np.ndarray:
     """``x`` (16-bit words of ``dtype``, or any numbers) as float32."""
     if dtype == "bfloat16":
         return bf16_to_f32(x)
-    return x.astype(np.float32)
+    out = np.empty(x.shape, np.float32)
+    cast_into(x, out)
+    return out
 
 
 def narrow(acc: np.ndarray, dst: np.ndarray, dtype: str) -> None:
@@ -183,7 +187,7 @@ def narrow(acc: np.ndarray, dst: np.ndarray, dtype: str) -> None:
     if dtype == "bfloat16":
         f32_to_bf16(acc, dst)
     else:
-        np.copyto(dst, acc, casting="unsafe")
+        cast_into(acc, dst)
 
 
 def reduce_into(dst: np.ndarray, sources: list[np.ndarray], op: ReduceOp, dtype: str,
@@ -201,7 +205,7 @@ def reduce_into(dst: np.ndarray, sources: list[np.ndarray], op: ReduceOp, dtype:
     if dtype in _HALF:
         acc = widen(dst if first is None else first, dtype)
         for src in sources:
-            _BINARY[op](acc, widen(src, dtype) if dtype == "bfloat16" else src, out=acc)
+            _BINARY[op](acc, widen(src, dtype), out=acc)  # numpy's mixed loop is no faster
         if divide_by:
             np.divide(acc, divide_by, out=acc)
         narrow(acc, dst, dtype)

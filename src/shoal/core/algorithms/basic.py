@@ -7,6 +7,7 @@ dtype, plus the codec that converts them to the wire dtype.
 from __future__ import annotations
 
 import functools
+from collections import deque
 from collections.abc import Callable, Sequence
 from functools import partial
 
@@ -159,15 +160,23 @@ def hierarchical_allreduce(transport: Transport, srcs, dsts, op: ReduceOp, dtype
     cross: Callable[[np.ndarray], None] | None = None
     half = _half_sum(op, wire) and wire16.choose(transport, srcs, dtype, op, wire, what)
     if half:
+        # the host's float32 sums wait here for their hop (the pipeline reduces chunk k+1
+        # while chunk k crosses; both take chunks in order, one at a time each)
+        pending: deque[np.ndarray] = deque()
+
         def local(part: np.ndarray, peers: list[np.ndarray],
                   first: np.ndarray | None = None) -> None:
-            # the host's sum stays float32 through the hop between hosts: one rounding per
-            # hop on a 16-bit wire, none on a float32 one
             wide = widen(part if first is None else first, wire)
             for peer in peers:
                 wide += widen(peer, wire)
             if op == ReduceOp.AVERAGE:  # the host's sum over the world size: an average of
                 np.divide(wide, transport.size, out=wide)  # inputs, within their range
+            pending.append(wide)
+
+        def cross(part: np.ndarray) -> None:
+            # the host's sum stays float32 through the hop between hosts: one rounding per
+            # hop on a 16-bit wire, none on a float32 one
+            wide = pending.popleft()
             if half == wire:
                 wire16.allreduce(transport, group, wide, part, wire, what)
             else:
