@@ -18,6 +18,7 @@ in each direction for any allreduce.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import secrets
@@ -94,7 +95,8 @@ def worker_main(argv: Sequence[str]) -> None:
         torch.set_num_threads(1)
         os.environ.update(MASTER_ADDR=args.addr, MASTER_PORT=str(args.gloo_port),
                           GLOO_SOCKET_IFNAME=args.device)
-        dist.init_process_group("gloo", rank=args.rank, world_size=args.size)
+        dist.init_process_group("gloo", rank=args.rank, world_size=args.size,
+                                timeout=datetime.timedelta(seconds=300))  # not 30 minutes
         gloo = dist
     except ImportError:
         pass
@@ -150,15 +152,24 @@ def _alternate(methods: dict[str, tuple[int | None, Callable[[], Any]]], trials:
                setup: Callable[[str], None], barrier: Callable[[], None]
                ) -> dict[str, list[float]]:
     """Each method once untimed, then ``trials`` timed calls each, taking turns (who goes first
-    rotates); ``setup(name)`` runs before a method's barrier, outside its time."""
+    rotates); ``setup(name)`` runs before a method's barrier, outside its time. ``methods``
+    maps a name to (its stream count or None, the call)."""
     names = list(methods)
     for name in names:
         setup(name)
         methods[name][1]()
+    # methods on the same connections stay together (gloo's with the last group), so a trial
+    # rebuilds the job once, not at every turn; the groups and the methods in them take turns
+    groups: dict[int | None, list[str]] = {}
+    for name in names:
+        groups.setdefault(methods[name][0], []).append(name)
+    order = [g for key, g in groups.items() if key is not None]
+    order[-1] += groups.get(None, [])
     times: dict[str, list[float]] = {name: [] for name in names}
     for trial in range(trials):
-        k = trial % len(names)
-        for name in names[k:] + names[:k]:
+        k = trial % len(order)
+        turn = [g[trial % len(g):] + g[:trial % len(g)] for g in order[k:] + order[:k]]
+        for name in (name for g in turn for name in g):
             setup(name)
             barrier()
             t0 = time.perf_counter()

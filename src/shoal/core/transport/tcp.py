@@ -117,6 +117,7 @@ class TcpMesh:
         self.stripe_bytes = stripe_bytes
         self._secret = secret
         self._buffer_bytes = buffer_bytes
+        self._counts = [1] * size
         self._socks: dict[int, list[socket.socket]] = {}
         self._owner: dict[socket.socket, tuple[int, int]] = {}  # socket -> (peer, stream)
         self.sent = [0] * size
@@ -139,6 +140,7 @@ class TcpMesh:
         each (both ends must pass the same counts; one each by default); bounded by
         ``start_timeout``."""
         counts = list(streams) if streams is not None else [1] * self.size
+        self._counts = counts
         expected = {_claim(peer, s, self.size) for peer in range(self.rank + 1, self.size)
                     for s in range(counts[peer])}
         slots: dict[int, list[socket.socket | None]] = {
@@ -166,11 +168,18 @@ class TcpMesh:
                 sock.setblocking(False)
                 self._owner[sock] = (peer, stream)
 
+    def _stream_buffer(self, peer: int) -> int:
+        """Kernel buffer of each connection to ``peer``: the setting is per peer, shared by
+        its streams (4 streams of 4 MiB each queued 4x the data in a shaper and slowed every
+        ring step: 0.88x of the link floor against 0.91-0.92x at 1 MiB, 4 emulated nodes
+        under a per-flow cap), at least 256 KiB."""
+        return max(256 << 10, self._buffer_bytes // max(1, self._counts[peer]))
+
     def _dial(self, peer: int, stream: int, addr: tuple[str, int],
               deadline: float) -> socket.socket:
         sock = dial_until(addr, deadline, self.timeout,
                           f"rank {self.rank}: cannot connect to rank {peer}")
-        tune_socket(sock, self._buffer_bytes)
+        tune_socket(sock, self._stream_buffer(peer))
         introduce(sock, self._secret, _ROLE, _claim(self.rank, stream, self.size))
         return sock
 
@@ -191,7 +200,7 @@ class TcpMesh:
                                 "stream %d", self.rank, peer, stream)
                     sock.close()
                     return
-                tune_socket(sock, self._buffer_bytes)
+                tune_socket(sock, self._stream_buffer(peer))
                 sock.settimeout(self.timeout)
                 slots[peer][stream] = sock
                 pending.discard(claim)
