@@ -40,9 +40,11 @@ __all__ = ["AUTO_STREAMS", "TcpMesh", "choose_streams", "stripe_plan"]
 
 log = logging.getLogger("shoal.transport.tcp")
 _ROLE = b"data"
-#: streams per cross-host peer under ``SHOAL_TCP_STREAMS=auto``: measured on the emulated
-#: cluster (BENCHMARKS.md), 4 streams cost nothing measurable on an uncapped link and reach the
-#: link under a per-flow cap of a quarter of it
+#: streams per cross-host peer under ``SHOAL_TCP_STREAMS=auto``. On the emulated cluster
+#: (BENCHMARKS.md, 64 MiB) with every flow capped at a quarter of the link, 4 streams reach
+#: 0.93x of the link floor on 2 nodes and 0.90x on 4, where one gets 0.47x; uncapped they
+#: cost 7% (0.93x against 1.00x; 4 nodes 0.84x against 0.91x), so an uncapped private network
+#: is faster with ``SHOAL_TCP_STREAMS=1``. Clouds cap flows: auto assumes one.
 AUTO_STREAMS = 4
 #: ``auto`` keeps a rank's data sockets under this many (file descriptors, kernel memory)
 _SOCKET_BUDGET = 1024
