@@ -150,3 +150,44 @@ def _refusals(rank: int) -> str:
 
 def test_sharded_refusals() -> None:
     assert run_ranks(_refusals, 2, timeout=60) == ["ok"] * 2
+
+
+def _accumulated(rank: int, passes: int) -> dict:
+    """Three steps of ``passes`` backward passes each, sharded against unsharded; what the
+    sharded optimizer holds between backward and step, and after the step."""
+    import shoal.torch as hvd
+    plain_model, sharded_model = _model(), _model()
+    plain = hvd.DistributedOptimizer(OPTIMIZERS["adam"](list(plain_model.parameters())),
+                                     backward_passes_per_step=passes)
+    sharded = hvd.DistributedOptimizer(OPTIMIZERS["adam"](list(sharded_model.parameters())),
+                                       sharded=True, bucket_bytes=300,
+                                       backward_passes_per_step=passes)
+    held = []
+    for model, opt in ((plain_model, plain), (sharded_model, sharded)):
+        for step in range(3):
+            opt.zero_grad()
+            for micro in range(passes):
+                x, y = _batch(rank, 10 * step + micro)
+                torch.nn.functional.mse_loss(model(x), y).backward()
+            if opt is sharded:
+                # ZeRO-2: no parameter keeps autograd's gradient, only the buckets hold them
+                assert all(p.grad is None for p in model.parameters())
+                opt.synchronize()
+                held.append(sum(p.grad.numel() for p in model.parameters()
+                                if p.grad is not None))
+            opt.step()
+            if opt is sharded:
+                assert all(s.grad is None for s in opt._shards)  # no flat gradient left
+    for (name, a), b in zip(plain_model.named_parameters(), sharded_model.parameters(),
+                            strict=True):
+        torch.testing.assert_close(b, a, rtol=2e-5, atol=2e-6, msg=name)
+    total = sum(p.numel() for p in sharded_model.parameters() if p.requires_grad)
+    return {"digest": _digest(sharded_model), "held": held, "total": total}
+
+
+@pytest.mark.parametrize(("n", "passes"), [(2, 2), (3, 3), (2, 1)])
+def test_gradient_accumulation_and_zero2_memory(n: int, passes: int) -> None:
+    results = run_ranks(_accumulated, n, passes, timeout=120)
+    assert len({r["digest"] for r in results}) == 1
+    for step in range(3):  # after synchronize each rank holds its shard of the gradient only
+        assert sum(r["held"][step] for r in results) == results[0]["total"]

@@ -146,7 +146,6 @@ class DistributedOptimizer(Wrapper):
             return super().__new__(_distributed_class(cls, type(optimizer)))
         unsupported = [what for what, bad in (
             ("compression", compression is not Compression.none),
-            ("backward_passes_per_step", backward_passes_per_step != 1),
             ("gradient_predivide_factor", gradient_predivide_factor != 1.0),
             ("sparse_as_dense", sparse_as_dense)) if bad]
         if unsupported:
@@ -154,7 +153,8 @@ class DistributedOptimizer(Wrapper):
                              f"{', '.join(unsupported)}; leave them at their defaults")
         from .sharded import ShardedOptimizer
         return ShardedOptimizer(optimizer, named_parameters, op=op, process_set=process_set,
-                                bucket_bytes=bucket_bytes)
+                                bucket_bytes=bucket_bytes,
+                                backward_passes_per_step=backward_passes_per_step)
 
     def __init__(self, optimizer: torch.optim.Optimizer,
                  named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,

@@ -6,9 +6,12 @@ the ranks at parameter boundaries. This module only maps tensors and hooks onto 
 
 - each bucket's parameters are moved into one flat buffer (``p.data`` becomes a view of
   it), so the allgather after the step writes the new values straight into the parameters;
-- a post-accumulate-grad hook copies each gradient into the bucket's flat gradient buffer
-  and starts the bucket's reduce-scatter the moment it is complete, overlapping backward;
-  each rank receives the reduced gradients of its own parameters only;
+- a post-accumulate-grad hook copies (or, accumulating, adds) each gradient into the
+  bucket's flat gradient, allocated at the step's first gradient, releases autograd's
+  ``p.grad``, and starts the bucket's reduce-scatter the moment it is complete, overlapping
+  backward; each rank receives the reduced gradients of its own parameters only, and the
+  flat gradient is dropped when the reduce-scatter has been waited for (ZeRO-2's memory
+  between steps; during backward the buckets in flight still hold theirs);
 - ``step()`` waits for those, runs a private copy of the wrapped optimizer over this
   rank's parameters only (so it holds their state and no other), and allgathers every
   bucket's updated parameters: all ranks end the step with the same bits.
@@ -36,7 +39,7 @@ from shoal.core.reduction import ReduceOp
 
 from .buckets import auto_bucket_bytes
 from .optimizer import Wrapper, adopt
-from .tensors import reduce_now, stage
+from .tensors import reduce_now, stage, staged_on_device
 
 __all__ = ["ShardedOptimizer"]
 
@@ -61,23 +64,42 @@ class _Shard:
         self.params = params
         first = params[0]
         self.flat = torch.empty(bucket.total, dtype=first.dtype, device=first.device)
-        self.grad = torch.zeros_like(self.flat)
+        # the bucket's flat gradient lives from the step's first gradient to the wait for its
+        # reduce-scatter (ZeRO-2: between steps a rank holds only its reduced shard)
+        self.grad: torch.Tensor | None = None
+        self.views: list[torch.Tensor] = []
         lo, hi = bucket.bounds[rank], bucket.bounds[rank + 1]
         self.lo, self.hi = lo, hi
         self.reduced = torch.zeros(hi - lo, dtype=first.dtype, device=first.device)
-        self.views: list[torch.Tensor] = []
         with torch.no_grad():
             for p, offset in zip(params, bucket.offsets, strict=True):
                 view = self.flat[offset:offset + p.numel()].view(p.shape)
                 view.copy_(p)
                 p.data = view  # the parameter now lives in the bucket
-                self.views.append(self.grad[offset:offset + p.numel()].view(p.shape))
         self.owned = [j for j in range(len(params)) if bucket.owner(j) == rank]
-        self.marks: set[int] = set()
+        self.passes = [0] * len(params)  # backward passes that reached each parameter
+        self.marks: set[int] = set()  # parameters whose gradient is final for the step
         self.handle: Any = None
         self.source: Any = None     # the staged gradient bucket (its buffer is reused)
         self.staged: Any = None     # the staged reduced shard (an output)
         self.params_staged: Any = None  # the staged parameter bucket (allgathered)
+
+    def gradient_views(self) -> list[torch.Tensor]:
+        """Each parameter's slice of the flat gradient, allocated (zeroed) on first use."""
+        if self.grad is None:
+            self.grad = torch.zeros_like(self.flat)
+            self.views = [self.grad[o:o + p.numel()].view(p.shape)
+                          for p, o in zip(self.params, self.plan.offsets, strict=True)]
+        return self.views
+
+    def release(self) -> None:
+        """Drop the flat gradient once its reduce-scatter is done (a device tensor's
+        pinned host copy stays, for the next step)."""
+        self.grad, self.views = None, []
+        if not staged_on_device(self.flat):
+            self.source = None  # on the host it is the flat gradient itself
+        self.passes = [0] * len(self.params)
+        self.marks.clear()
 
 
 class ShardedOptimizer(Wrapper):
@@ -88,13 +110,22 @@ class ShardedOptimizer(Wrapper):
     edit them; each step copies their hyper-parameters to this rank's shard), ``state`` is
     this rank's shard. Gradients of parameters another rank owns are ``None`` after
     ``synchronize()``; for clipping use :meth:`clip_grad_norm_`, which sees every shard.
+
+    Backward's gradients go into their bucket's flat gradient as they come, and autograd's
+    ``p.grad`` is released at once; ``synchronize()`` leaves this rank's parameters holding
+    their reduced shard and drops the rest. ``backward_passes_per_step=k`` (Horovod's
+    gradient accumulation) adds ``k`` backward passes' gradients in the bucket and reduces
+    them once, after the k-th.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer,
                  named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
                  op: ReduceOp = ReduceOp.AVERAGE, process_set: Any = None,
-                 bucket_bytes: int | None = None) -> None:
+                 bucket_bytes: int | None = None, backward_passes_per_step: int = 1) -> None:
         op = ReduceOp(op)
+        if backward_passes_per_step < 1:
+            raise ValueError("backward_passes_per_step must be >= 1")
+        self.backward_passes_per_step = backward_passes_per_step
         if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
             raise ValueError(f"ShardedOptimizer reduces gradients with Average or Sum, not "
                              f"{op.name.capitalize()}")
@@ -143,16 +174,24 @@ class ShardedOptimizer(Wrapper):
     # -- gradients -------------------------------------------------------------------------
     def _on_grad(self, p: torch.nn.Parameter) -> None:
         shard, j = self._where[p]
+        passes = self.backward_passes_per_step
         if j in shard.marks:
             raise RuntimeError(f"gradient of {self._names[p]} was computed again before "
-                               f"step(); call step() (or synchronize()) between backward "
-                               f"passes")
-        view = shard.views[j]
-        if p.grad.data_ptr() != view.data_ptr():
-            view.copy_(p.grad)
-        shard.marks.add(j)
-        if len(shard.marks) == len(shard.params):
-            self._reduce(shard)
+                               f"step(); call step() (or synchronize()) after every "
+                               f"{passes} backward pass{'es' if passes > 1 else ''} "
+                               f"(backward_passes_per_step)")
+        view = shard.gradient_views()[j]
+        with torch.no_grad():
+            if shard.passes[j]:
+                view.add_(p.grad)
+            else:
+                view.copy_(p.grad)
+        p.grad = None  # the bucket holds it now: no full-size gradient outlives backward
+        shard.passes[j] += 1
+        if shard.passes[j] == passes:
+            shard.marks.add(j)
+            if len(shard.marks) == len(shard.params):
+                self._reduce(shard)
 
     def _reduce(self, shard: _Shard) -> None:
         src = shard.source = stage(shard.grad, reuse=shard.source)
@@ -167,12 +206,11 @@ class ShardedOptimizer(Wrapper):
         their reduced gradients and the others none."""
         for shard in self._shards:
             if shard.handle is None:
+                views = shard.gradient_views()  # zeros where backward did not reach
                 for j, p in enumerate(shard.params):
-                    if j not in shard.marks:
-                        if p.grad is None:
-                            shard.views[j].zero_()
-                        elif p.grad.data_ptr() != shard.views[j].data_ptr():
-                            shard.views[j].copy_(p.grad)
+                    if j not in shard.marks and p.grad is not None and not shard.passes[j]:
+                        with torch.no_grad():
+                            views[j].copy_(p.grad)  # set by hand, not by backward
                 self._reduce(shard)
         error: BaseException | None = None
         for shard in self._shards:
@@ -183,7 +221,7 @@ class ShardedOptimizer(Wrapper):
                 error = error or exc
             finally:
                 shard.handle = None
-                shard.marks.clear()
+                shard.release()
         if error is not None:
             raise error
         self._share_overflow()
@@ -274,12 +312,23 @@ class ShardedOptimizer(Wrapper):
             staged.finish()
         return loss
 
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Change how many backward passes make a step (not while a step's are under way)."""
+        if passes < 1:
+            raise ValueError("backward_passes_per_step must be >= 1")
+        if any(s.handle is not None or any(s.passes) for s in self._shards):
+            raise RuntimeError("set_backward_passes_per_step() called during a step's "
+                               "backward passes; call it after step()")
+        self.backward_passes_per_step = passes
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear every parameter's gradient (refused while reductions are in flight)."""
         in_flight = sum(s.handle is not None for s in self._shards)
         if in_flight:
             raise RuntimeError(f"zero_grad() called with {in_flight} gradient buckets in "
                                f"flight; call step() or synchronize() first")
+        for shard in self._shards:  # gradients accumulated so far go, as autograd's would
+            shard.release()
         for group in self._full.param_groups:
             for p in group["params"]:
                 if set_to_none or p.grad is None:
