@@ -191,3 +191,34 @@ def test_gradient_accumulation_and_zero2_memory(n: int, passes: int) -> None:
     assert len({r["digest"] for r in results}) == 1
     for step in range(3):  # after synchronize each rank holds its shard of the gradient only
         assert sum(r["held"][step] for r in results) == results[0]["total"]
+
+
+def _overlapped(rank: int) -> dict:
+    """Four steps with the parameter gather overlapping the next forward, against the same
+    steps waiting for it in step(); the per-module waits seen directly."""
+    import shoal.torch as hvd
+    digests = {}
+    for overlap in (False, True):
+        model = _model()
+        opt = hvd.ShardedOptimizer(OPTIMIZERS["sgd"](list(model.parameters())),
+                                   bucket_bytes=300, overlap_param_gather=overlap)
+        _train(model, opt, rank, range(4))
+        if overlap:
+            assert all(s.gathering is not None for s in opt._shards)  # all still in flight
+            first = {id(p) for p in model[0].parameters()}
+            model[0](torch.zeros(1, 6))  # the first layer's forward waits for its own only
+            for s in opt._shards:
+                holds_first = any(id(p) in first for p in s.params)
+                assert (s.gathering is None) == holds_first
+            assert len(opt._shards) > 1
+            state = model.state_dict()  # waits for the rest
+            assert all(s.gathering is None for s in opt._shards)
+            assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+        digests[overlap] = _digest(model)
+    assert digests[True] == digests[False]
+    return {"digest": digests[True]}
+
+
+def test_overlapped_parameter_gather_gives_the_blocking_weights() -> None:
+    results = run_ranks(_overlapped, 2, timeout=120)
+    assert len({r["digest"] for r in results}) == 1

@@ -83,6 +83,7 @@ class _Shard:
         self.source: Any = None     # the staged gradient bucket (its buffer is reused)
         self.staged: Any = None     # the staged reduced shard (an output)
         self.params_staged: Any = None  # the staged parameter bucket (allgathered)
+        self.gathering: Any = None  # the allgather of the updated parameters, in flight
 
     def gradient_views(self) -> list[torch.Tensor]:
         """Each parameter's slice of the flat gradient, allocated (zeroed) on first use."""
@@ -116,16 +117,28 @@ class ShardedOptimizer(Wrapper):
     their reduced shard and drops the rest. ``backward_passes_per_step=k`` (Horovod's
     gradient accumulation) adds ``k`` backward passes' gradients in the bucket and reduces
     them once, after the k-th.
+
+    With ``overlap_param_gather=True`` ``step()`` returns with the updated parameters still
+    being allgathered: the forward of a module waits for the buckets of its own parameters
+    only, so the gather of later layers overlaps the forward of earlier ones; so do the
+    module's ``state_dict()``, this optimizer's calls, and :meth:`wait_params`. It is off by
+    default because code that reads parameters between ``step()`` and the next forward
+    (weight averaging, a parent module using a child's weight) would read stale values
+    unless it calls :meth:`wait_params` first.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer,
                  named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
                  op: ReduceOp = ReduceOp.AVERAGE, process_set: Any = None,
-                 bucket_bytes: int | None = None, backward_passes_per_step: int = 1) -> None:
+                 bucket_bytes: int | None = None, backward_passes_per_step: int = 1,
+                 overlap_param_gather: bool = False) -> None:
         op = ReduceOp(op)
         if backward_passes_per_step < 1:
             raise ValueError("backward_passes_per_step must be >= 1")
         self.backward_passes_per_step = backward_passes_per_step
+        self.overlap_param_gather = overlap_param_gather
+        self._before_forward_hook: Any = None
+        self._modules: set[int] = set()  # modules seen holding sharded parameters
         if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
             raise ValueError(f"ShardedOptimizer reduces gradients with Average or Sum, not "
                              f"{op.name.capitalize()}")
@@ -204,6 +217,7 @@ class ShardedOptimizer(Wrapper):
         """Wait for every bucket's reduce-scatter (a parameter backward did not reach is
         reduced with the gradient it holds, or zeros); then this rank's parameters hold
         their reduced gradients and the others none."""
+        self.wait_params()
         for shard in self._shards:
             if shard.handle is None:
                 views = shard.gradient_views()  # zeros where backward did not reach
@@ -292,6 +306,7 @@ class ShardedOptimizer(Wrapper):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.wait_params()  # the last step's gather reads the shard this step writes
         if not self._synchronized:
             self.synchronize()
         self._synchronized = False
@@ -301,16 +316,55 @@ class ShardedOptimizer(Wrapper):
                 if key != "params":
                     inner[key] = value
         self._inner.step()
-        handles = []
         for shard in self._shards:
             staged = shard.params_staged = stage(shard.flat, reuse=shard.params_staged)
-            handles.append((staged, self._comm.allgather_async(
+            shard.gathering = (staged, self._comm.allgather_async(
                 staged.array[shard.lo:shard.hi], name=f"{shard.plan.name}.param",
-                out=staged.array, ready=staged.ready)))
-        for staged, handle in handles:
-            handle.wait()
-            staged.finish()
+                out=staged.array, ready=staged.ready))
+        if self.overlap_param_gather:
+            if self._before_forward_hook is None:
+                self._before_forward_hook = \
+                    torch.nn.modules.module.register_module_forward_pre_hook(
+                        self._before_forward)
+        else:
+            self.wait_params()
         return loss
+
+    def _before_forward(self, module: torch.nn.Module, _args: Any) -> None:
+        """A module's forward waits for the buckets of its own parameters (and the module
+        learns to wait in its ``state_dict()`` too)."""
+        for p in module._parameters.values():
+            where = self._where.get(p) if p is not None else None
+            if where is None:
+                continue
+            if id(module) not in self._modules:
+                self._modules.add(id(module))
+                module.register_state_dict_pre_hook(lambda *_: self.wait_params())
+            if where[0].gathering is not None:
+                self._wait_gather(where[0])
+
+    def _wait_gather(self, shard: _Shard) -> None:
+        staged, handle = shard.gathering
+        shard.gathering = None
+        handle.wait()
+        staged.finish()
+        if self._before_forward_hook is not None and \
+                all(s.gathering is None for s in self._shards):
+            self._before_forward_hook.remove()
+            self._before_forward_hook = None
+
+    def wait_params(self) -> None:
+        """Wait until every bucket's updated parameters have arrived (``step()`` leaves them
+        in flight; forward waits for its own)."""
+        error: BaseException | None = None
+        for shard in self._shards:
+            if shard.gathering is not None:
+                try:
+                    self._wait_gather(shard)
+                except BaseException as exc:  # wait for the rest, then raise the first
+                    error = error or exc
+        if error is not None:
+            raise error
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Change how many backward passes make a step (not while a step's are under way)."""
@@ -340,6 +394,7 @@ class ShardedOptimizer(Wrapper):
     def state_dict(self) -> dict[str, Any]:
         """The whole optimizer's ordinary state dict, the same on every rank (a collective:
         each rank contributes its shard)."""
+        self.wait_params()
         mine = {self._index[p]: {k: v.detach().cpu() if torch.is_tensor(v) else v
                                  for k, v in state.items()}
                 for p, state in self._inner.state.items() if state}
@@ -353,6 +408,7 @@ class ShardedOptimizer(Wrapper):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load an ordinary (consolidated) state dict: each rank keeps its shard's part."""
+        self.wait_params()
         groups = state_dict["param_groups"]
         if [len(g["params"]) for g in groups] != \
                 [len(g["params"]) for g in self._full.param_groups]:
@@ -381,6 +437,7 @@ class ShardedOptimizer(Wrapper):
 
     def remove_hooks(self) -> None:
         """Detach from the parameters' gradients."""
+        self.wait_params()
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
