@@ -173,6 +173,7 @@ def _accumulated(rank: int, passes: int) -> dict:
                 # ZeRO-2: no parameter keeps autograd's gradient, only the buckets hold them
                 assert all(p.grad is None for p in model.parameters())
                 opt.synchronize()
+                assert all(s.grad is None for s in opt._shards)  # dropped as each finished
                 held.append(sum(p.grad.numel() for p in model.parameters()
                                 if p.grad is not None))
             opt.step()

@@ -10,8 +10,8 @@ the ranks at parameter boundaries. This module only maps tensors and hooks onto 
   bucket's flat gradient, allocated at the step's first gradient, releases autograd's
   ``p.grad``, and starts the bucket's reduce-scatter the moment it is complete, overlapping
   backward; each rank receives the reduced gradients of its own parameters only, and the
-  flat gradient is dropped when the reduce-scatter has been waited for (ZeRO-2's memory
-  between steps; during backward the buckets in flight still hold theirs);
+  flat gradient is dropped as soon as the reduce-scatter is done (ZeRO-2: only the buckets
+  still in flight hold a flat gradient);
 - ``step()`` waits for those, runs a private copy of the wrapped optimizer over this
   rank's parameters only (so it holds their state and no other), and allgathers every
   bucket's updated parameters: all ranks end the step with the same bits.
@@ -93,12 +93,16 @@ class _Shard:
                           for p, o in zip(self.params, self.plan.offsets, strict=True)]
         return self.views
 
-    def release(self) -> None:
-        """Drop the flat gradient once its reduce-scatter is done (a device tensor's
-        pinned host copy stays, for the next step)."""
+    def drop_gradient(self) -> None:
+        """Drop the flat gradient (its reduce-scatter is done, or the step's gradients are
+        discarded); a device tensor's pinned host copy stays, for the next step."""
         self.grad, self.views = None, []
         if not staged_on_device(self.flat):
             self.source = None  # on the host it is the flat gradient itself
+
+    def release(self) -> None:
+        """The step's gradients are done with: none held, no pass counted."""
+        self.drop_gradient()
         self.passes = [0] * len(self.params)
         self.marks.clear()
 
@@ -212,6 +216,9 @@ class ShardedOptimizer(Wrapper):
         shard.handle = self._comm.reducescatter_async(
             src.array, op=self.op, name=f"{shard.plan.name}.grad", bf16=src.bf16,
             splits=shard.plan.splits, out=shard.staged.array, ready=src.ready)
+        # done (on shoal's engine thread): nothing of the bucket but this rank's reduced
+        # shard outlives it, even while backward still runs
+        shard.handle.add_done_callback(lambda _handle, shard=shard: shard.drop_gradient())
 
     def synchronize(self) -> None:
         """Wait for every bucket's reduce-scatter (a parameter backward did not reach is
