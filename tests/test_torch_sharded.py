@@ -223,3 +223,19 @@ def _overlapped(rank: int) -> dict:
 def test_overlapped_parameter_gather_gives_the_blocking_weights() -> None:
     results = run_ranks(_overlapped, 2, timeout=120)
     assert len({r["digest"] for r in results}) == 1
+
+
+def _app_wrap(rank: int) -> int:
+    import torch
+
+    import shoal
+    from apps.efficientnet.runtime.distributed import Dist, wrap
+    dist = Dist("shoal", rank, shoal.size(), rank, shoal.size(), torch.device("cpu"))
+    model = _model()
+    _, opt = wrap(model, OPTIMIZERS["sgd"](list(model.parameters())), dist, sharded=True,
+                  backward_passes=2)
+    return opt.backward_passes_per_step
+
+
+def test_the_application_shards_with_accumulation() -> None:
+    assert run_ranks(_app_wrap, 2, timeout=60) == [2, 2]

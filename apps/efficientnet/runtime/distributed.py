@@ -134,9 +134,6 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer, dist: Dist,
     if sharded and compression_name != "none":
         raise ValueError("--optimizer_sharding reduce-scatters gradients uncompressed; drop "
                          "--compression")
-    if sharded and backward_passes > 1:
-        raise ValueError("--optimizer_sharding reduce-scatters every backward pass; drop "
-                         "--grad_accum_steps")
     if not dist.backend.startswith("ddp-"):
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         hvd.broadcast_optimizer_state(optimizer, root_rank=0)
@@ -144,7 +141,8 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer, dist: Dist,
             return model, optimizer
         if sharded:
             return model, hvd.DistributedOptimizer(optimizer, model.named_parameters(),
-                                                   sharded=True)
+                                                   sharded=True,
+                                                   backward_passes_per_step=backward_passes)
         return model, hvd.DistributedOptimizer(optimizer, model.named_parameters(),
                                                compression=compression(compression_name),
                                                backward_passes_per_step=backward_passes)
