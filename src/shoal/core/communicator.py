@@ -36,7 +36,7 @@ from .runtime import RUNTIME
 from .store import PrefixStore, Store
 from .timeline import Timeline
 from .transport import Transport
-from .transport.shm import ShmGroup, pipeline_chunk
+from .transport.shm import DEFAULT_CHUNK, ShmGroup, pipeline_chunk
 from .transport.tcp import TcpMesh, choose_streams
 
 __all__ = ["Communicator", "explain_loss", "local_address"]
@@ -228,7 +228,7 @@ class Communicator(Collectives):
                               for r in world.local_ranks)
                 chunk = pipeline_chunk(cfg.shm_chunk_bytes, world.local_size, world.cross_size,
                                        streams)
-                if chunk != cfg.shm_chunk_bytes:
+                if chunk != (cfg.shm_chunk_bytes or DEFAULT_CHUNK):
                     log.info("rank %d: shared-memory chunk %d KiB (%d streams across hosts)",
                              rank, chunk >> 10, streams)
                 shm = ShmGroup(f"{job_id}-{uid}", world.cross_rank, world.local_rank,

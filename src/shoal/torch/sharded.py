@@ -28,6 +28,7 @@ import contextlib
 import copy
 import hashlib
 import os
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -64,8 +65,8 @@ class _Shard:
         self.params = params
         first = params[0]
         self.flat = torch.empty(bucket.total, dtype=first.dtype, device=first.device)
-        # the bucket's flat gradient lives from the step's first gradient to the wait for its
-        # reduce-scatter (ZeRO-2: between steps a rank holds only its reduced shard)
+        # the bucket's flat gradient lives from the step's first gradient until its
+        # reduce-scatter is done (ZeRO-2: between steps a rank holds only its reduced shard)
         self.grad: torch.Tensor | None = None
         self.views: list[torch.Tensor] = []
         lo, hi = bucket.bounds[rank], bucket.bounds[rank + 1]
@@ -86,9 +87,10 @@ class _Shard:
         self.gathering: Any = None  # the allgather of the updated parameters, in flight
 
     def gradient_views(self) -> list[torch.Tensor]:
-        """Each parameter's slice of the flat gradient, allocated (zeroed) on first use."""
+        """Each parameter's slice of the flat gradient, allocated on first use (uninitialised:
+        a first pass copies over its slice, synchronize() fills the slices none reached)."""
         if self.grad is None:
-            self.grad = torch.zeros_like(self.flat)
+            self.grad = torch.empty_like(self.flat)
             self.views = [self.grad[o:o + p.numel()].view(p.shape)
                           for p, o in zip(self.params, self.plan.offsets, strict=True)]
         return self.views
@@ -142,7 +144,7 @@ class ShardedOptimizer(Wrapper):
         self.backward_passes_per_step = backward_passes_per_step
         self.overlap_param_gather = overlap_param_gather
         self._before_forward_hook: Any = None
-        self._modules: set[int] = set()  # modules seen holding sharded parameters
+        self._modules: weakref.WeakSet = weakref.WeakSet()  # seen holding our parameters
         if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
             raise ValueError(f"ShardedOptimizer reduces gradients with Average or Sum, not "
                              f"{op.name.capitalize()}")
@@ -227,11 +229,15 @@ class ShardedOptimizer(Wrapper):
         self.wait_params()
         for shard in self._shards:
             if shard.handle is None:
-                views = shard.gradient_views()  # zeros where backward did not reach
+                views = shard.gradient_views()
                 for j, p in enumerate(shard.params):
-                    if j not in shard.marks and p.grad is not None and not shard.passes[j]:
-                        with torch.no_grad():
-                            views[j].copy_(p.grad)  # set by hand, not by backward
+                    if shard.passes[j]:
+                        continue  # accumulated by backward
+                    with torch.no_grad():
+                        if p.grad is not None:  # set by hand
+                            views[j].copy_(p.grad)
+                        else:  # backward did not reach it
+                            views[j].zero_()
                 self._reduce(shard)
         error: BaseException | None = None
         for shard in self._shards:
@@ -344,8 +350,8 @@ class ShardedOptimizer(Wrapper):
             where = self._where.get(p) if p is not None else None
             if where is None:
                 continue
-            if id(module) not in self._modules:
-                self._modules.add(id(module))
+            if module not in self._modules:
+                self._modules.add(module)
                 module.register_state_dict_pre_hook(lambda *_: self.wait_params())
             if where[0].gathering is not None:
                 self._wait_gather(where[0])

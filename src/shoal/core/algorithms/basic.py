@@ -179,9 +179,8 @@ def hierarchical_allreduce(transport: Transport, srcs, dsts, op: ReduceOp, dtype
             wide = pending.popleft()
             if half == wire:
                 wire16.allreduce(transport, group, wide, part, wire, what)
-            else:
-                _cross(transport, group, wide, partial(reduce_into, op=ReduceOp.SUM,
-                                                       dtype="float32"), None, what)
+            else:  # a float16 sum: nothing to divide
+                _wide_cross(transport, group, wide, op, transport.size, what)
                 narrow(wide, part, wire)
         finish = None
     else:

@@ -57,7 +57,7 @@ def _largest(arrays: Sequence[np.ndarray], dtype: str) -> float:
     for a in arrays:
         if not a.size:
             continue
-        v = np.abs(widen(a, dtype) if dtype == "bfloat16" else a.astype(np.float32))
+        v = np.abs(widen(a, dtype))
         v = v[np.isfinite(v)]
         if v.size:
             best = max(best, float(v.max()))
@@ -81,7 +81,7 @@ def choose(transport: Transport, arrays: Sequence[np.ndarray], dtype: str, op: R
 
 def start(values: np.ndarray, dtype: str, op: ReduceOp, count: int) -> np.ndarray:
     """The float32 accumulator of ``values`` (words of ``dtype``): an average divided now."""
-    acc = widen(values, dtype) if dtype in _HALF else values.astype(np.float32)
+    acc = widen(values, dtype)
     if op == ReduceOp.AVERAGE and count > 1:
         np.divide(acc, count, out=acc)
     return acc
@@ -104,10 +104,11 @@ def allreduce(transport: Transport, group: Sequence[int], acc: np.ndarray, out: 
 def _pass(transport: Transport, right: int, left: int, send: np.ndarray, dst: np.ndarray,
           words: np.ndarray, wire: str, what: str) -> None:
     """One ring step: float32 ``send`` goes right as 16-bit words while the left neighbour's
-    words arrive and are added, widened, into float32 ``dst`` as they come."""
-    out = np.empty(send.size, words.dtype)
+    words arrive and are added, widened, into float32 ``dst`` as they come. ``words``: two
+    scratch rows of 16-bit words, at least a segment long (what goes, what comes)."""
+    out = words[0, :send.size]
     narrow(send, out, wire)
-    incoming = words[:dst.size]
+    incoming = words[1, :dst.size]
     block = max(1, transport.cfg.tcp_chunk_bytes // 2)
     done_items = 0
 
@@ -128,7 +129,7 @@ def _ring(transport: Transport, group: Sequence[int], acc: np.ndarray, out: np.n
     me = list(group).index(transport.rank)
     right, left = group[(me + 1) % n], group[(me - 1) % n]
     bounds = [acc.size * i // n for i in range(n + 1)]
-    words = np.empty(max(bounds[i + 1] - bounds[i] for i in range(n)), out.dtype)
+    words = np.empty((2, max(bounds[i + 1] - bounds[i] for i in range(n))), out.dtype)
     for step in range(n - 1):
         s, d = (me - step) % n, (me - step - 1) % n
         _pass(transport, right, left, acc[bounds[s]:bounds[s + 1]],
@@ -167,7 +168,7 @@ def reducescatter(transport: Transport, group: Sequence[int], acc: np.ndarray,
     me = list(group).index(transport.rank)
     if n > 1:
         right, left = group[(me + 1) % n], group[(me - 1) % n]
-        words = np.empty(max(bounds[i + 1] - bounds[i] for i in range(n)),
+        words = np.empty((2, max(bounds[i + 1] - bounds[i] for i in range(n))),
                          storage_dtype(wire))
         for step in range(n - 1):
             s, d = (me - step - 1) % n, (me - step - 2) % n
