@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -33,6 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--share", type=int, default=0,
+                   help="processes training at once on this host (CPU threads are split "
+                        "between them); default: the job's local size")
     args = p.parse_args(argv)
     from apps.efficientnet.model.efficientnet import efficientnet  # the model module only
     hvd = None
@@ -45,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     from shoal.torch.device import local_device
     device = local_device(local_rank, local_size)
     cuda = device.type == "cuda"
+    if not cuda:  # processes sharing the cores each take their part, not all of them
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // (args.share or local_size)))
     if cuda:
         torch.cuda.set_device(device)
         torch.backends.cudnn.benchmark = True

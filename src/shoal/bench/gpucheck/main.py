@@ -73,11 +73,12 @@ def run_check(name: str, dry: bool, timeout: float) -> dict[str, Any]:
 
 
 def _bench_argv(amp: bool, bench: tuple[int, int, int, int], out: str,
-                alone: bool = False) -> list[str]:
+                alone: int = 0) -> list[str]:
+    """The benchmark's command line; ``alone``: that many independent processes at once."""
     px, batch, steps, warmup = bench
     return ["-m", "shoal.bench.gpucheck.bench", out, "--px", str(px), "--batch", str(batch),
             "--steps", str(steps), "--warmup", str(warmup), *(["--amp"] if amp else []),
-            *(["--alone"] if alone else [])]
+            *(["--alone", "--share", str(alone)] if alone else [])]
 
 
 def _images_per_second(out: str) -> float:
@@ -105,13 +106,19 @@ def run_benchmark(dry: bool, timeout: float) -> dict[str, Any]:
                 if ranks > 1:
                     alone = [subprocess.Popen(
                         [sys.executable, *_bench_argv(amp, bench, f"{tmp}/alone{i}.json",
-                                                      alone=True)],
+                                                      alone=ranks)],
                         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
                         for i in range(ranks)]
-                    for proc in alone:
-                        _, err = proc.communicate(timeout=timeout)
-                        if proc.returncode:
-                            raise RuntimeError(f"an independent run failed: {err[-1500:]}")
+                    try:
+                        for proc in alone:
+                            _, err = proc.communicate(timeout=timeout)
+                            if proc.returncode:
+                                raise RuntimeError(f"an independent run failed: {err[-1500:]}")
+                    finally:  # a run cut short must not go on taking the cores
+                        for proc in alone:
+                            if proc.poll() is None:
+                                proc.kill()
+                                proc.wait()
                     row["independent_images_per_s"] = round(sum(
                         _images_per_second(f"{tmp}/alone{i}.json") for i in range(ranks)), 1)
                     row["share_of_independent"] = round(
@@ -195,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
             if name == "benchmark" else run_check(name, args.dry_run, min(60.0, left))
         print(f"gpu-check: {name}: {'ok' if results[name]['ok'] else 'FAILED'} "
               f"({results[name].get('seconds', '')}s)", flush=True)
+        for error in results[name].get("errors", []):
+            print(f"gpu-check: {name}: {error}", flush=True)
         _write(out, report, results, started, complete=False)  # a cut run keeps its steps
     _write(out, report, results, started, complete=True)
     for row in results.get("benchmark", {}).get("rows", []):
