@@ -73,6 +73,7 @@ def test_report_from_fixture(tmp_path) -> None:
         assert heading in text
     assert "| 4 KiB |" in text and "efficientnet-b0: 213 tensors" in text
     assert "shoal / ddp-gloo" in text and "hidden behind backward" in text
+    assert "Peak resident set per worker" in text and "| 416 | 0.0% |" in text
     for plot in ("allreduce.png", "train.png", "train-overlap.png"):
         assert (folder / "plots" / plot).stat().st_size > 1000
 
@@ -88,6 +89,8 @@ def test_tiny_train_run(tmp_path) -> None:
     data = json.loads(out.read_text())
     rows = {(r["backend"], r["np"]): r for r in data["results"]}
     assert rows[("shoal", 1)]["median"] > 0 and rows[("shoal", 2)]["efficiency"] > 0
+    # every job's peak resident set per worker: torch and the model are well over 100 MiB
+    assert all(r["peak_rss_mib"]["median"] > 100 for r in data["results"]), data["results"]
     # the ceiling: two single-worker jobs at once, throughputs added up
     assert rows[("independent", 2)]["median"] > 0 and rows[("independent", 2)]["n"] == 1
     assert "shoal throughput / theirs, efficientnet-b0 32:2 base np=2: " in proc.stdout

@@ -403,6 +403,7 @@ def test_whole_run_logs_and_checkpoints(tmp_path):
     lines = [json.loads(x) for x in (tmp_path / "log.json").read_text().splitlines()]
     units = {x["metric"]: x["metadata"]["unit"] for x in lines if x["type"] == "METADATA"}
     assert units["avg_exp_per_second_training"] == "samples/s"
+    assert units["peak_rss_per_worker"] == "MiB" and s0["peak_rss_per_worker"] > 100
     steps = [x["step"] for x in lines if x["type"] == "LOG"]
     assert steps[0] == "PARAMETER" and [1, 1] in steps and steps[-1] == "SUMMARY"
     assert (tmp_path / "ckpt-000000002.pt").is_file()

@@ -12,6 +12,7 @@ import datetime
 import json
 import math
 import os
+import resource
 import sys
 import time
 from pathlib import Path
@@ -19,8 +20,8 @@ from typing import Any, TextIO
 
 from tqdm import tqdm
 
-__all__ = ["SHOWN", "UNITS", "MetricLogger", "compact", "latency_percentiles", "progress_bar",
-           "summary_table"]
+__all__ = ["SHOWN", "UNITS", "MetricLogger", "compact", "latency_percentiles", "peak_rss_mib",
+           "progress_bar", "summary_table"]
 
 #: Unit of every metric the application reports (None: a plain number).
 UNITS: dict[str, str | None] = {
@@ -35,6 +36,7 @@ UNITS: dict[str, str | None] = {
     "eval_accuracy_top_5": "%",
     "learning_rate": None,
     "training_time": "s",
+    "peak_rss_per_worker": "MiB",
     "training_latency_mean": "ms",
     "training_latency_p90": "ms",
     "training_latency_p95": "ms",
@@ -44,6 +46,12 @@ UNITS: dict[str, str | None] = {
     "eval_latency_p95": "ms",
     "eval_latency_p99": "ms",
 }
+
+
+def peak_rss_mib() -> float:
+    """This process's resident-set high-water mark so far, in MiB: it sees every allocation,
+    torch's CPU tensors included (tracemalloc sees only Python's)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
 def latency_percentiles(seconds: list[float], prefix: str) -> dict[str, float]:

@@ -35,7 +35,12 @@ from apps.efficientnet.runtime.distributed import (
     init_distributed,
     shutdown_distributed,
 )
-from apps.efficientnet.runtime.metrics import MetricLogger, latency_percentiles, progress_bar
+from apps.efficientnet.runtime.metrics import (
+    MetricLogger,
+    latency_percentiles,
+    peak_rss_mib,
+    progress_bar,
+)
 from apps.efficientnet.runtime.preempt import StopRequest
 from apps.efficientnet.runtime.trainer import (
     LATENCY_NAMES,
@@ -130,14 +135,15 @@ def train_epoch(tr: Trainer, batches: Iterator[tuple[torch.Tensor, torch.Tensor]
     per_worker = len(times) * tr.global_batch / dist.size / max(sum(times), 1e-9)
     lat = latency_percentiles(times, "training")
     names = LATENCY_NAMES["training"]
-    avg = average(total + [per_worker] + [lat.get(k, 0.0) for k in names],
+    avg = average(total + [per_worker, peak_rss_mib()] + [lat.get(k, 0.0) for k in names],
                   name=f"efficientnet.epoch.{tr.step}")
     seen = max(avg[3], 1e-12)  # a stop before the epoch's first step saw nothing
     stats = {"training_loss": avg[0] / seen, "training_accuracy_top_1": 100 * avg[1] / seen,
              "training_accuracy_top_5": 100 * avg[2] / seen,
              "avg_exp_per_second_training": avg[4] * dist.size,
-             "avg_exp_per_second_training_per_worker": avg[4], "learning_rate": lr}
-    stats.update(zip(names, avg[5:], strict=True))
+             "avg_exp_per_second_training_per_worker": avg[4], "learning_rate": lr,
+             "peak_rss_per_worker": avg[5]}
+    stats.update(zip(names, avg[6:], strict=True))
     return stats
 
 

@@ -143,6 +143,24 @@ def _train_table(data: dict[str, Any]) -> list[str]:
         over = " (oversubscribed)" if any(r["oversubscribed"] for r in per.values()) else ""
         out.append(f"| {arch.replace('efficientnet-', '')} | {setting} | {variant} | {n}{over} | "
                    + " | ".join(cells) + " |")
+    return out + _memory_table(data)
+
+
+def _memory_table(data: dict[str, Any]) -> list[str]:
+    """Each job's peak resident set per worker (the process's high-water mark: torch's CPU
+    tensors included), with the throughput's spread beside it."""
+    rows = [r for r in data["results"] if r.get("peak_rss_mib")]
+    if not rows:
+        return []
+    out = ["", "Peak resident set per worker (`ru_maxrss`, median over trials) and the spread "
+           "of both ((p90 - p10) / median):", "",
+           "| model | size : batch | variant | workers | backend | img/s | spread | trials "
+           "| peak RSS MiB | spread |", "|---|---|---|---:|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        m = r["peak_rss_mib"]
+        out.append(f"| {r['arch'].replace('efficientnet-', '')} | {r['setting']} | "
+                   f"{r['variant']} | {r['np']} | {r['backend']} | {r['median']:.1f} | "
+                   f"{r['spread']:.0%} | {r['n']} | {m['median']:.0f} | {m['spread']:.1%} |")
     return out
 
 

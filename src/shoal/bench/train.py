@@ -102,17 +102,17 @@ def _tf_config(n: int, index: int, ports: list[int]) -> str:
                        "task": {"type": "worker", "index": index}})
 
 
-def _throughput(model_dir: str) -> float:
+def _summary(model_dir: str) -> dict[str, Any]:
     with open(os.path.join(model_dir, "log.json")) as f:
         lines = [json.loads(line) for line in f if line.strip()]
-    summary = next(x for x in lines if x.get("step") == "SUMMARY")["data"]
-    return float(summary["avg_exp_per_second_training"])
+    return next(x for x in lines if x.get("step") == "SUMMARY")["data"]
 
 
 def _job(backend: str, n: int, arch: str, setting: str, variant: str,
          args: argparse.Namespace, timeline: str | None = None,
-         env_extra: dict[str, str] | None = None) -> tuple[float, Any]:
-    """One training job; its throughput (images/s, all workers) and, with ``timeline``, the
+         env_extra: dict[str, str] | None = None) -> tuple[float, float | None, Any]:
+    """One training job; its throughput (images/s, all workers), its workers' mean peak RSS
+    (MiB; None from an application that does not report it) and, with ``timeline``, the
     timeline's analysis and excerpt. ``independent`` runs ``n`` single-worker jobs at once
     (no communication at all) and adds up their throughput: the machine's ceiling for ``n``
     workers."""
@@ -163,7 +163,10 @@ def _job(backend: str, n: int, arch: str, setting: str, variant: str,
         if timeline:
             events = overlap.load_events(env["SHOAL_TIMELINE"])
             extra = {**overlap.analyse(events), "excerpt": overlap.excerpt(events)}
-        return sum(_throughput(d) for d in dirs), extra
+        summaries = [_summary(d) for d in dirs]
+        rss = [x["peak_rss_per_worker"] for x in summaries if "peak_rss_per_worker" in x]
+        return (sum(float(x["avg_exp_per_second_training"]) for x in summaries),
+                sum(rss) / len(rss) if rss else None, extra)
 
 
 def _oversubscribed(n: int, threads: int) -> bool:
@@ -183,8 +186,10 @@ def format_table(result: dict[str, Any]) -> str:
     for row in result["results"]:
         tag = " (oversubscribed)" if row["oversubscribed"] else ""
         eff = f", efficiency {row['efficiency']:.1%}" if row.get("efficiency") else ""
+        rss = f", peak RSS {row['peak_rss_mib']['median']:.0f} MiB per worker" \
+            if row.get("peak_rss_mib") else ""
         lines.append(f"  {row['arch']} {row['setting']} {row['variant']:>7} np={row['np']} "
-                     f"{row['backend']:>9}: {row['median']:.1f}{eff}{tag}")
+                     f"{row['backend']:>9}: {row['median']:.1f}{eff}{rss}{tag}")
         key = (row["arch"], row["setting"], row["variant"], row["np"])
         by_config.setdefault(key, {})[row["backend"]] = row["median"]
     for (arch, setting, variant, n), per in by_config.items():
@@ -231,6 +236,7 @@ def run(args: argparse.Namespace) -> int:
             # variants and backends take turns trial by trial, so that a machine whose speed
             # drifts (shared cores) shifts every configuration alike
             samples: dict[tuple[str, str, int], list[float]] = {}
+            memory: dict[tuple[str, str, int], list[float]] = {}  # peak RSS, MiB per worker
             for n in args.np:
                 for trial in range(args.trials):
                     v = trial % len(variants)
@@ -240,14 +246,19 @@ def run(args: argparse.Namespace) -> int:
                             if backend == "mwms" and n == 1:
                                 continue  # one worker: the np=1 shoal job is the reference
                             try:
-                                tput, _ = _job(backend, n, arch, setting, variant, args)
+                                tput, rss, _ = _job(backend, n, arch, setting, variant,
+                                                    args)
                             except (RuntimeError, subprocess.TimeoutExpired) as exc:
                                 _failed(result, exc, arch=arch, setting=setting,
                                         variant=variant, backend=backend, np=n)
                                 continue
                             samples.setdefault((variant, backend, n), []).append(tput)
+                            if rss is not None:
+                                memory.setdefault((variant, backend, n), []).append(rss)
                             print(f"{arch} {setting} {variant} np={n} {backend}: "
-                                  f"{tput:.1f} images/s", flush=True)
+                                  f"{tput:.1f} images/s"
+                                  + (f", peak RSS {rss:.0f} MiB per worker" if rss else ""),
+                                  flush=True)
             for variant in variants:
                 for (v, backend, n), values in samples.items():
                     if v != variant:
@@ -255,10 +266,12 @@ def run(args: argparse.Namespace) -> int:
                     st = stats(values)
                     one = samples.get((variant, backend, 1))
                     eff = st["median"] / (n * stats(one)["median"]) if one and n > 1 else None
+                    rss = memory.get((v, backend, n))
                     result["results"].append({
                         "arch": arch, "setting": setting, "variant": variant,
                         "backend": backend, "np": n, **st, "efficiency": eff,
-                        "oversubscribed": _oversubscribed(n, args.threads)})
+                        "oversubscribed": _oversubscribed(n, args.threads),
+                        **({"peak_rss_mib": stats(rss)} if rss else {})})
             if args.overlap and "shoal" in backends and max(args.np) > 1:
                 # the largest world size that does not oversubscribe the cores
                 n = max((k for k in args.np if k > 1 and not _oversubscribed(k, args.threads)),
@@ -266,8 +279,8 @@ def run(args: argparse.Namespace) -> int:
                 # the automatic bucket size, then small buckets that force overlap
                 for buckets, env in (("auto", {}), ("2 MiB", {"SHOAL_BUCKET_BYTES": "2M"})):
                     try:
-                        tput, extra = _job("shoal", n, arch, setting, "base", args,
-                                           timeline="on", env_extra=env)
+                        tput, _, extra = _job("shoal", n, arch, setting, "base", args,
+                                              timeline="on", env_extra=env)
                     except (RuntimeError, subprocess.TimeoutExpired) as exc:
                         _failed(result, exc, arch=arch, setting=setting, variant="base",
                                 backend=f"shoal timeline, {buckets} buckets", np=n)
