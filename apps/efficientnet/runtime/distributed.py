@@ -139,10 +139,10 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer, dist: Dist,
         hvd.broadcast_optimizer_state(optimizer, root_rank=0)
         if dist.size == 1:
             return model, optimizer
-        if sharded:
-            return model, hvd.DistributedOptimizer(optimizer, model.named_parameters(),
-                                                   sharded=True,
-                                                   backward_passes_per_step=backward_passes)
+        if sharded:  # the updated weights' gather overlaps the next forward
+            return model, hvd.ShardedOptimizer(optimizer, model.named_parameters(),
+                                               backward_passes_per_step=backward_passes,
+                                               overlap_param_gather=True)
         return model, hvd.DistributedOptimizer(optimizer, model.named_parameters(),
                                                compression=compression(compression_name),
                                                backward_passes_per_step=backward_passes)

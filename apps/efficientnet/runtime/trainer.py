@@ -174,6 +174,8 @@ def train_step(tr: Trainer, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]
         top1, top5, count = top1 + a, top5 + b, count + int(labels.shape[0])
     with timeline_range("STEP"):
         _apply(tr)
+    if (tr.lookahead is not None or tr.ema is not None) and hasattr(opt, "wait_params"):
+        opt.wait_params()  # a sharded step leaves the updated weights in flight
     if tr.lookahead is not None:
         tr.lookahead.update(unwrap(tr.model))
     if tr.ema is not None:
@@ -197,7 +199,10 @@ def _apply(tr: Trainer) -> None:
     if scaler is not None:
         scaler.unscale_(opt)
     if clip:
-        torch.nn.utils.clip_grad_norm_(unwrap(tr.model).parameters(), clip)
+        if hasattr(opt, "clip_grad_norm_"):  # sharded: each rank holds only its shard
+            opt.clip_grad_norm_(clip)
+        else:
+            torch.nn.utils.clip_grad_norm_(unwrap(tr.model).parameters(), clip)
     with opt.skip_synchronize() if synced else contextlib.nullcontext():
         if scaler is None:
             opt.step()

@@ -13,6 +13,11 @@ Then per bucket:
 - the updated tensors are allgathered into the bucket's flat buffer, which *is* the
   parameters' storage, so every rank ends the step with the same bits.
 
+Every tensor starts on an ``align_bytes`` boundary of its bucket (64 by default: a cache
+line, and what vectorised kernels expect): parameters that live in the buffer at unaligned
+offsets made CPU convolutions take other code paths, slower and not bitwise equal to the
+unsharded model's. The gaps belong to no tensor; a bucket's users keep them zero.
+
 Whole tensors per rank (not element ranges) keep any optimizer exact, including those that
 look at a tensor as a whole (LAMB, LARS, Adafactor): each tensor is stepped by one rank
 exactly as the unsharded optimizer would step it. Every bucket is split, not the model as a
@@ -36,8 +41,9 @@ class Bucket:
     name: str
     key: Hashable                 # what its tensors share (device and dtype)
     tensors: tuple[int, ...]      # indices into the caller's tensor list, in buffer order
-    offsets: tuple[int, ...]      # element offset of each tensor in the buffer
-    total: int                    # elements in the buffer
+    offsets: tuple[int, ...]      # element offset of each tensor in the buffer (aligned)
+    sizes: tuple[int, ...]        # elements of each tensor
+    total: int                    # elements in the buffer, gaps included
     bounds: tuple[int, ...]       # n + 1 element bounds: rank r owns [bounds[r], bounds[r+1])
 
     def owner(self, position: int) -> int:
@@ -45,6 +51,12 @@ class Bucket:
         last = len(self.bounds) - 2
         return min(last, int(np.searchsorted(self.bounds, self.offsets[position],
                                              side="right")) - 1)
+
+    def gaps(self) -> list[tuple[int, int]]:
+        """The ``[start, end)`` element ranges of the buffer no tensor covers (alignment)."""
+        ends = [o + n for o, n in zip(self.offsets, self.sizes, strict=True)]
+        starts = [*self.offsets[1:], self.total]
+        return [(e, s) for e, s in zip(ends, starts, strict=True) if s > e]
 
     @property
     def splits(self) -> list[int]:
@@ -75,10 +87,12 @@ def split_runs(sizes: Sequence[int], n: int, loads: Sequence[int] | None = None)
 
 
 def plan(sizes: Sequence[int], keys: Sequence[Hashable], itemsizes: Sequence[int],
-         order: Sequence[int], bucket_bytes: int, n: int, prefix: str) -> list[Bucket]:
+         order: Sequence[int], bucket_bytes: int, n: int, prefix: str,
+         align_bytes: int = 64) -> list[Bucket]:
     """Buckets over tensors of element counts ``sizes``, taken in ``order`` (the order their
     gradients are expected), each bucket holding one ``keys`` value and about
-    ``bucket_bytes``; named ``prefix.k``."""
+    ``bucket_bytes``; named ``prefix.k``; each tensor's offset a multiple of
+    ``align_bytes``."""
     runs: dict[Hashable, list[list[int]]] = {}
     filled: dict[Hashable, int] = {}
     for i in order:
@@ -95,11 +109,15 @@ def plan(sizes: Sequence[int], keys: Sequence[Hashable], itemsizes: Sequence[int
     loads = [0] * n  # bytes each rank owns so far
     for k, run in enumerate(sorted((r for rs in runs.values() for r in rs),
                                    key=lambda r: position[r[0]])):
-        offsets = np.cumsum([0, *[sizes[i] for i in run]]).tolist()
         itemsize = itemsizes[run[0]]
-        bounds = split_runs([sizes[i] for i in run], n, [x // itemsize for x in loads])
+        align = max(1, align_bytes // itemsize)
+        # each tensor with its gap: the runs split at these padded boundaries
+        padded = [-(-sizes[i] // align) * align for i in run]
+        offsets = np.cumsum([0, *padded]).tolist()
+        bounds = split_runs(padded, n, [x // itemsize for x in loads])
         for r in range(n):
             loads[r] += (bounds[r + 1] - bounds[r]) * itemsize
         buckets.append(Bucket(f"{prefix}.{k}", keys[run[0]], tuple(run),
-                              tuple(offsets[:-1]), offsets[-1], tuple(bounds)))
+                              tuple(offsets[:-1]), tuple(sizes[i] for i in run), offsets[-1],
+                              tuple(bounds)))
     return buckets

@@ -64,7 +64,11 @@ class _Shard:
         self.plan = bucket
         self.params = params
         first = params[0]
-        self.flat = torch.empty(bucket.total, dtype=first.dtype, device=first.device)
+        # zeros: the alignment gaps stay zero (the allgather moves them too)
+        self.flat = torch.zeros(bucket.total, dtype=first.dtype, device=first.device)
+        gaps = bucket.gaps()
+        self.gap_index = torch.cat([torch.arange(a, b) for a, b in gaps]).to(first.device) \
+            if gaps else None
         # the bucket's flat gradient lives from the step's first gradient until its
         # reduce-scatter is done (ZeRO-2: between steps a rank holds only its reduced shard)
         self.grad: torch.Tensor | None = None
@@ -91,6 +95,8 @@ class _Shard:
         a first pass copies over its slice, synchronize() fills the slices none reached)."""
         if self.grad is None:
             self.grad = torch.empty_like(self.flat)
+            if self.gap_index is not None:  # reduced with the rest: must be finite
+                self.grad.index_fill_(0, self.gap_index, 0)
             self.views = [self.grad[o:o + p.numel()].view(p.shape)
                           for p, o in zip(self.params, self.plan.offsets, strict=True)]
         return self.views
@@ -144,7 +150,7 @@ class ShardedOptimizer(Wrapper):
         self.backward_passes_per_step = backward_passes_per_step
         self.overlap_param_gather = overlap_param_gather
         self._before_forward_hook: Any = None
-        self._modules: weakref.WeakSet = weakref.WeakSet()  # seen holding our parameters
+        self._modules: weakref.WeakSet = weakref.WeakSet()  # seen by the forward pre-hook
         if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
             raise ValueError(f"ShardedOptimizer reduces gradients with Average or Sum, not "
                              f"{op.name.capitalize()}")
@@ -186,6 +192,8 @@ class ShardedOptimizer(Wrapper):
         optimizer.state = collections.defaultdict(dict)  # the shards hold it now
         self._synchronized = False
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in trained]
+        if overlap_param_gather:
+            self._watch_forwards()
 
     def __repr__(self) -> str:
         return f"ShardedOptimizer({self._full!r}, shards={len(self._shards)})"
@@ -335,25 +343,31 @@ class ShardedOptimizer(Wrapper):
                 staged.array[shard.lo:shard.hi], name=f"{shard.plan.name}.param",
                 out=staged.array, ready=staged.ready))
         if self.overlap_param_gather:
-            if self._before_forward_hook is None:
-                self._before_forward_hook = \
-                    torch.nn.modules.module.register_module_forward_pre_hook(
-                        self._before_forward)
+            self._watch_forwards()
         else:
             self.wait_params()
         return loss
 
+    def _watch_forwards(self) -> None:
+        """Install the process-wide forward pre-hook (from construction, so that the first
+        forward already finds the modules, until the gathers in flight have arrived)."""
+        if self._before_forward_hook is None:
+            self._before_forward_hook = \
+                torch.nn.modules.module.register_module_forward_pre_hook(self._before_forward)
+
     def _before_forward(self, module: torch.nn.Module, _args: Any) -> None:
-        """A module's forward waits for the buckets of its own parameters (and the module
-        learns to wait in its ``state_dict()`` too)."""
+        """A module's forward waits for the buckets of its own parameters. A module seen for
+        the first time that holds any of them, itself or through its children (the whole
+        model among them), learns to wait in its ``state_dict()``."""
+        if module not in self._modules:
+            self._modules.add(module)
+            if any(p in self._where for p in module.parameters()):
+                me = weakref.ref(self)
+                module.register_state_dict_pre_hook(
+                    lambda *_: (opt := me()) is not None and opt.wait_params())
         for p in module._parameters.values():
             where = self._where.get(p) if p is not None else None
-            if where is None:
-                continue
-            if module not in self._modules:
-                self._modules.add(module)
-                module.register_state_dict_pre_hook(lambda *_: self.wait_params())
-            if where[0].gathering is not None:
+            if where is not None and where[0].gathering is not None:
                 self._wait_gather(where[0])
 
     def _wait_gather(self, shard: _Shard) -> None:
