@@ -97,3 +97,36 @@ def _no_grad_param(rank: int) -> tuple[bool, bool]:
 
 def test_a_frozen_parameter_keeps_no_gradient() -> None:
     assert run_ranks(_no_grad_param, 2, timeout=60) == [(True, True)] * 2
+
+
+def _trained_state(rank: int, same_structure: bool) -> tuple[bool, list[float], float]:
+    import shoal.torch as hvd
+    torch.manual_seed(rank)  # every rank its own weights and moments
+    model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Linear(4, 3))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01 * (rank + 1))
+    for _ in range(rank + 1):  # and its own step count
+        opt.zero_grad()
+        model(torch.randn(2, 5)).sum().backward()
+        if not same_structure and rank == 1:
+            model[1].weight.grad = None  # rank 1 then has no state for this parameter
+        opt.step()
+    before = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    after = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    in_place = len(before) == len(after) and all(a is b for a, b in zip(before, after,
+                                                                      strict=True))
+    values = [float(t.double().sum()) for s in opt.state.values() for t in s.values()
+              if isinstance(t, torch.Tensor)]
+    return in_place, values, opt.param_groups[0]["lr"]
+
+
+@pytest.mark.parametrize("same_structure", [True, False])
+def test_optimizer_state_is_the_roots_broadcast_in_place_when_it_fits(
+        same_structure: bool) -> None:
+    """The same structure on every rank: each state tensor is overwritten in place (no
+    pickled copy of the state); a structure that differs anywhere: the root's state dict is
+    loaded on every rank. Either way every rank ends with the root's state and settings."""
+    (_, v0, lr0), *others = run_ranks(_trained_state, 3, same_structure, timeout=60)
+    assert lr0 == 0.01
+    for in_place, values, lr in others:
+        assert in_place is same_structure and values == v0 and lr == lr0

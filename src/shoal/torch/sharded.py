@@ -233,7 +233,11 @@ class ShardedOptimizer(Wrapper):
     def synchronize(self) -> None:
         """Wait for every bucket's reduce-scatter (a parameter backward did not reach is
         reduced with the gradient it holds, or zeros); then this rank's parameters hold
-        their reduced gradients and the others none."""
+        their reduced gradients and the others none, and a non-finite gradient on any
+        rank's shard is seen by every rank (for ``GradScaler``: see ``_share_overflow``)."""
+        self._synchronize(share_overflow=True)
+
+    def _synchronize(self, share_overflow: bool) -> None:
         self.wait_params()
         for shard in self._shards:
             if shard.handle is None:
@@ -259,7 +263,8 @@ class ShardedOptimizer(Wrapper):
                 shard.release()
         if error is not None:
             raise error
-        self._share_overflow()
+        if share_overflow:
+            self._share_overflow()
         for shard in self._shards:
             for j, p in enumerate(shard.params):
                 if j in shard.owned:
@@ -273,16 +278,23 @@ class ShardedOptimizer(Wrapper):
         """Make a non-finite reduced gradient seen by every rank, not only its shard's
         owner, so that each rank's ``GradScaler`` skips the same steps and keeps the same
         scale (the scaler checks only the gradients its optimizer holds). Every rank
-        counts the non-finite values of its shards (on their device), the counts are
-        summed, and where the sum is not zero each shard's first value becomes NaN. Device
-        operations only: the count travels through the device stage, no host wait."""
+        counts its shards whose sum is not finite (one pass each: a sum is non-finite when
+        any value is, or when finite values sum past the dtype's range, which the scaler
+        would have to skip too), the counts are summed, and where the sum is not zero each
+        shard's first value becomes NaN. Device operations only: the count travels through
+        the device stage, no host wait.
+
+        A GradScaler can only be used with an explicit ``synchronize()`` before its
+        ``unscale_`` (before it, no rank holds a gradient), so ``step()`` without one skips
+        this: without a scaler a non-finite value reaches every rank through the allgather
+        of the parameters it corrupts."""
         owned = [s.reduced for s in self._shards if s.reduced.numel()]
         if not owned:
             return
         device = owned[0].device
         bad = torch.zeros(1, dtype=torch.float32, device=device)
         for reduced in owned:
-            bad += (~torch.isfinite(reduced)).sum().to(device=device, dtype=torch.float32)
+            bad += (~torch.isfinite(reduced.sum())).to(device=device, dtype=torch.float32)
         flag = stage(bad)
         reduce_now(self._comm, flag, ReduceOp.SUM, f"{self._name}.overflow")
         poison = torch.where(flag.finish() > 0, float("nan"), 0.0)
@@ -329,7 +341,7 @@ class ShardedOptimizer(Wrapper):
                 loss = closure()
         self.wait_params()  # the last step's gather reads the shard this step writes
         if not self._synchronized:
-            self.synchronize()
+            self._synchronize(share_overflow=False)
         self._synchronized = False
         for inner, full in zip(self._inner.param_groups, self._full.param_groups,
                                strict=True):
@@ -337,7 +349,9 @@ class ShardedOptimizer(Wrapper):
                 if key != "params":
                     inner[key] = value
         self._inner.step()
-        for shard in self._shards:
+        # in forward's order (the buckets are in backward's): the first layers' weights,
+        # which the next forward needs first, are on their way first
+        for shard in reversed(self._shards):
             staged = shard.params_staged = stage(shard.flat, reuse=shard.params_staged)
             shard.gathering = (staged, self._comm.allgather_async(
                 staged.array[shard.lo:shard.hi], name=f"{shard.plan.name}.param",

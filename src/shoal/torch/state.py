@@ -5,9 +5,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
 from shoal.core.process_sets import communicator_for, set_root
+from shoal.core.reduction import ReduceOp
 
 from .collectives import broadcast_async_
 
@@ -49,9 +51,76 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     inner = getattr(optimizer, "_inner", optimizer)  # the step of the wrapped optimizer only
     if not inner.state_dict()["state"]:
         _create_fresh_state(inner, model)
+    from .sharded import ShardedOptimizer  # its state_dict() is the consolidated one
+    if not isinstance(optimizer, ShardedOptimizer) and \
+            _broadcast_state_in_place(inner, root_rank, process_set):
+        return
     state = broadcast_object(optimizer.state_dict(), root_rank,
                              name="shoal.torch.optimizer_state", process_set=process_set)
     optimizer.load_state_dict(state)
+
+
+def _layout(optimizer: torch.optim.Optimizer) -> list[tuple[int, list[tuple[Any, ...]]]]:
+    """Each stateful parameter's index and its state's keys, tensors as (shape, dtype) and
+    other values as themselves (a sparse tensor: None, which no rank can match)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    out = []
+    for i, p in enumerate(params):
+        state = optimizer.state.get(p)
+        if not state:
+            continue
+        entries = []
+        for key, value in sorted(state.items(), key=lambda kv: str(kv[0])):
+            if isinstance(value, torch.Tensor):
+                entries.append((key, "tensor", None) if value.is_sparse else
+                               (key, "tensor", (tuple(value.shape), str(value.dtype))))
+            else:
+                entries.append((key, "value", value))
+        out.append((i, entries))
+    return out
+
+
+def _broadcast_state_in_place(optimizer: torch.optim.Optimizer, root_rank: int,
+                              process_set: Any) -> bool:
+    """The root's optimizer state written into every rank's own state tensors, each
+    broadcast in place, when every rank's state has the root's structure (the usual case:
+    the same optimizer over the same model): no pickled copy of the state on any rank, so a
+    large model's peak memory is not several times its optimizer state. Only the structure,
+    the non-tensor values and the hyper-parameters travel as an object. False (and nothing
+    changed) when some rank's structure differs; every rank agrees on it."""
+    comm = communicator_for(process_set)
+    mine = _layout(optimizer)
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    root_layout, root_groups = broadcast_object((mine, groups), root_rank,
+                                                name="shoal.torch.optimizer_state.layout",
+                                                process_set=process_set)
+
+    def shape(layout: list[tuple[int, list[tuple[Any, ...]]]]) -> list[Any]:
+        return [(i, [(k, kind, v if kind == "tensor" else None) for k, kind, v in entries])
+                for i, entries in layout]
+
+    fits = shape(mine) == shape(root_layout) and len(root_groups) == len(groups) and \
+        all(kind != "tensor" or v is not None for _, e in mine for _, kind, v in e)
+    agreed = comm.allreduce(np.array([1 if fits else 0], dtype=np.int32), op=ReduceOp.MIN,
+                            name="shoal.torch.optimizer_state.fits")
+    if not int(np.asarray(agreed)[0]):
+        return False
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    handles = []
+    for i, entries in root_layout:
+        state = optimizer.state[params[i]]
+        for key, kind, value in entries:
+            if kind == "tensor":
+                handles.append(broadcast_async_(state[key], root_rank,
+                                                name=f"shoal.torch.optimizer_state.{i}.{key}",
+                                                process_set=process_set))
+            else:
+                state[key] = value
+    for h in handles:
+        h.wait()
+    for group, theirs in zip(optimizer.param_groups, root_groups, strict=True):
+        group.update(theirs)
+    return True
 
 
 # A state tensor created by a step on zero gradients goes back to its value before any step:
