@@ -15,8 +15,9 @@ Then per bucket:
 
 Every tensor starts on an ``align_bytes`` boundary of its bucket (64 by default: a cache
 line, and what vectorised kernels expect): parameters that live in the buffer at unaligned
-offsets made CPU convolutions take other code paths, slower and not bitwise equal to the
-unsharded model's. The gaps belong to no tensor; a bucket's users keep them zero.
+offsets made CPU convolutions take other code paths, not bitwise equal to the unsharded
+model's (B0's forward and backward took the same time either way, 85.2 ms median of 7 at
+32 px, batch 16, one thread). The gaps belong to no tensor; a bucket's users keep them zero.
 
 Whole tensors per rank (not element ranges) keep any optimizer exact, including those that
 look at a tensor as a whole (LAMB, LARS, Adafactor): each tensor is stepped by one rank

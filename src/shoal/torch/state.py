@@ -60,10 +60,10 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     optimizer.load_state_dict(state)
 
 
-def _layout(optimizer: torch.optim.Optimizer) -> list[tuple[int, list[tuple[Any, ...]]]]:
+def _layout(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]
+            ) -> list[tuple[int, list[tuple[Any, ...]]]]:
     """Each stateful parameter's index and its state's keys, tensors as (shape, dtype) and
     other values as themselves (a sparse tensor: None, which no rank can match)."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
     out = []
     for i, p in enumerate(params):
         state = optimizer.state.get(p)
@@ -89,7 +89,8 @@ def _broadcast_state_in_place(optimizer: torch.optim.Optimizer, root_rank: int,
     the non-tensor values and the hyper-parameters travel as an object. False (and nothing
     changed) when some rank's structure differs; every rank agrees on it."""
     comm = communicator_for(process_set)
-    mine = _layout(optimizer)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    mine = _layout(optimizer, params)
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     root_layout, root_groups = broadcast_object((mine, groups), root_rank,
                                                 name="shoal.torch.optimizer_state.layout",
@@ -105,7 +106,6 @@ def _broadcast_state_in_place(optimizer: torch.optim.Optimizer, root_rank: int,
                             name="shoal.torch.optimizer_state.fits")
     if not int(np.asarray(agreed)[0]):
         return False
-    params = [p for group in optimizer.param_groups for p in group["params"]]
     handles = []
     for i, entries in root_layout:
         state = optimizer.state[params[i]]
