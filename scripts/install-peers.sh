@@ -10,6 +10,8 @@
 #   gloo     torch (CPU wheel) and numpy: torch.distributed's gloo backend
 #   horovod  Horovod built from its PyPI sdist with gloo and PyTorch (patched to C++17, because
 #            its last release does not compile against current PyTorch)
+#   deepspeed DeepSpeed from its PyPI sdist; the smoke test compiles its C++ shared-memory
+#            allreduce (ShareMemCommBuilder) with the machine's g++ through torch's JIT, once
 #
 # Re-running is cheap: each step checks first and skips what is already installed. The project
 # venv (.venv) is never touched; shoal runs peer workers in .peers/venv as subprocesses
@@ -40,6 +42,11 @@ HOROVOD_VERSION=0.28.1
 # Horovod's build needs these in the venv because it is built with --no-build-isolation.
 # (The sdist has no pyproject.toml, so setuptools and wheel are needed as well.)
 HOROVOD_BUILD_DEPS=(packaging psutil pyyaml cloudpickle setuptools wheel)
+DEEPSPEED_VERSION=0.19.8
+# DeepSpeed's requirements, pinned; it is installed without build isolation (its setup.py
+# imports torch), so that pip cannot pull a CUDA torch into a build environment
+DEEPSPEED_DEPS=(einops==0.8.2 hjson==3.1.0 msgpack==1.2.4 ninja==1.13.2 py-cpuinfo==9.0.0
+                pydantic==2.14.3 nvidia-ml-py==13.615.71 packaging psutil tqdm setuptools wheel)
 SMOKE_TIMEOUT=180        # seconds per smoke test
 export MAKEFLAGS=${MAKEFLAGS:--j2}   # 2 cores; without MAKEFLAGS Horovod's setup.py uses -j8
 export PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -131,7 +138,9 @@ step_shoal() {
 }
 
 step_openmpi() {
-  if command -v mpirun >/dev/null && command -v mpicc >/dev/null; then
+  # mpicc alone is not enough: openmpi-bin ships it without the headers (libopenmpi-dev)
+  if command -v mpirun >/dev/null && command -v mpicc >/dev/null \
+      && echo '#include <mpi.h>' | mpicc -E - >/dev/null 2>&1; then
     echo "Open MPI present: $(mpirun --version | head -n 1)"; return
   fi
   local sudo=()
@@ -193,6 +202,15 @@ step_horovod() {
   rm -rf "$work"
 }
 
+step_deepspeed() {
+  if venv_has deepspeed "$DEEPSPEED_VERSION"; then echo "deepspeed $DEEPSPEED_VERSION already installed"; return; fi
+  venv_has torch "$TORCH_VERSION" || fail "torch==$TORCH_VERSION is not in the peers venv"
+  pip_in_venv "torch==$TORCH_VERSION" "${DEEPSPEED_DEPS[@]}" \
+    || fail "pip install of DeepSpeed's dependencies failed"
+  DS_BUILD_OPS=0 pip_in_venv --no-build-isolation --no-deps "deepspeed==$DEEPSPEED_VERSION" \
+    || fail "pip install deepspeed==$DEEPSPEED_VERSION failed"
+}
+
 # --- smoke tests: 2 processes each; print the version on success ---------------------------
 
 smoke_gloo() {
@@ -248,6 +266,33 @@ if hvd.rank() == 0:
 '
 }
 
+smoke_deepspeed() {
+  # builds the shared-memory op (the first time: about a minute of g++) and reduces with it
+  cat >"$PEERS_DIR/smoke_deepspeed.py" <<'EOF'
+import os
+import socket
+import torch
+import torch.multiprocessing as mp
+
+def work(rank, port):
+    os.environ.update(LOCAL_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from shoal.bench.deepspeed_shm import load
+    allreduce = load(2, rank)
+    t = torch.ones(1000) * (rank + 1)
+    allreduce(t)
+    assert t.tolist() == [3.0] * 1000, t[:4]
+
+if __name__ == "__main__":
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(work, args=(port,), nprocs=2)
+    import deepspeed
+    print(deepspeed.__version__)
+EOF
+  timeout "$SMOKE_TIMEOUT" "$PY" "$PEERS_DIR/smoke_deepspeed.py"
+}
+
 # run_smoke PEER FUNC: run the smoke test unless the peer already failed; keep the version.
 run_smoke() {
   local peer=$1 fn=$2 out
@@ -268,14 +313,14 @@ run_smoke() {
 
 print_report() {
   local peer
-  printf '\n%-8s | %-7s | %-40s | %s\n' peer status version "why missing"
-  printf '%-8s-+-%-7s-+-%-40s-+-%s\n' -------- ------- \
+  printf '\n%-9s | %-7s | %-40s | %s\n' peer status version "why missing"
+  printf '%-9s-+-%-7s-+-%-40s-+-%s\n' --------- ------- \
     ---------------------------------------- -----------
-  for peer in horovod mpi gloo; do
+  for peer in horovod mpi gloo deepspeed; do
     if [ -n "${FAILED[$peer]:-}" ]; then
-      printf '%-8s | %-7s | %-40s | %s\n' "$peer" missing - "${FAILED[$peer]}"
+      printf '%-9s | %-7s | %-40s | %s\n' "$peer" missing - "${FAILED[$peer]}"
     else
-      printf '%-8s | %-7s | %-40s | %s\n' "$peer" ok "${VERSION[$peer]:-?}" -
+      printf '%-9s | %-7s | %-40s | %s\n' "$peer" ok "${VERSION[$peer]:-?}" -
     fi
   done
 }
@@ -285,17 +330,22 @@ print_report() {
 start=$SECONDS
 if [ "$CHECK_ONLY" -eq 0 ]; then
   run_step gloo venv step_venv
-  if [ -n "${FAILED[gloo]:-}" ]; then FAILED[mpi]=${FAILED[gloo]}; FAILED[horovod]=${FAILED[gloo]}; fi
+  if [ -n "${FAILED[gloo]:-}" ]; then
+    FAILED[mpi]=${FAILED[gloo]}; FAILED[horovod]=${FAILED[gloo]}; FAILED[deepspeed]=${FAILED[gloo]}
+  fi
   run_step gloo torch step_torch
   run_step gloo shoal step_shoal
   run_step mpi openmpi step_openmpi
   run_step mpi mpi4py step_mpi4py
   [ -z "${FAILED[gloo]:-}" ] || FAILED[horovod]="needs torch: ${FAILED[gloo]}"
   run_step horovod horovod step_horovod
+  [ -z "${FAILED[gloo]:-}" ] || FAILED[deepspeed]="needs torch: ${FAILED[gloo]}"
+  run_step deepspeed deepspeed step_deepspeed
 fi
 run_smoke gloo smoke_gloo
 run_smoke mpi smoke_mpi
 run_smoke horovod smoke_horovod
+run_smoke deepspeed smoke_deepspeed
 print_report
 log "done in $((SECONDS - start)) s"
 exit 0

@@ -265,3 +265,39 @@ def test_tiny_loader_run(tmp_path) -> None:
     assert len(list((tmp_path / "photos").glob("train-*"))) == 8
     text = "\n".join(section(data))
     assert "| torch | none |" in text and "target 400 images/s" in text
+
+
+def _result(times: dict[str, float]) -> dict:
+    stat = {m: {"1024": {"min": t, "median": t * 1.1, "busbw_GBps": 1.0}}
+            for m, t in times.items()}
+    return {"np": 2, "missing": {}, "sizes": [1024], "algorithm": "shm", "methods": stat}
+
+
+def test_deepspeed_is_compared_with_shoal_on_torch_tensors_and_runs_are_summarised() -> None:
+    from shoal.bench.allreduce import format_summary, format_table, ratios, summarize_runs
+    runs = [_result({"shoal": 1.0, "shoal-torch": 2.0, "deepspeed": 4.0, "gloo": 0.5,
+                     "memcpy": 0.1}),
+            _result({"shoal": 1.0, "shoal-torch": 6.0, "deepspeed": 4.0, "gloo": 1.0,
+                     "memcpy": 0.1}),
+            _result({"shoal": 1.0, "shoal-torch": 3.0, "deepspeed": 4.0, "gloo": 2.0,
+                     "memcpy": 0.1})]
+    # the medians' ratio, shoal through the peer's kind of array
+    assert ratios(runs[0]) == {"deepspeed": {"1024": 0.5}, "gloo": {"1024": 2.0}}
+    table = format_table(runs[0])
+    assert "shoal/deepspeed" in table and "0.50x" in table and "shoal-torch ms" in table
+    rep = summarize_runs(runs)
+    assert rep["summary"]["deepspeed"]["1024"] == {"median": 0.75, "worst": 1.5, "best": 0.5}
+    assert rep["summary"]["gloo"]["1024"]["median"] == 1.0
+    assert "worst 1.50x" in format_summary(rep)
+
+
+def test_deepspeed_without_its_venv_is_reported_missing(tmp_path) -> None:
+    out = tmp_path / "ds.json"
+    env = {**os.environ, "SHOAL_PEERS_VENV": str(tmp_path / "none")}
+    proc = subprocess.run([sys.executable, "-m", "shoal.cli", "bench", "allreduce", "--np",
+                           "2", "--sizes", "4K", "--trials", "1", "--peers", "deepspeed",
+                           "--out", str(out)], capture_output=True, text=True, timeout=240,
+                          env=env, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads(out.read_text())["results"][0]
+    assert "deepspeed" in res["missing"] and "deepspeed" not in res["methods"]

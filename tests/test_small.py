@@ -156,3 +156,41 @@ def _async_mix(rank: int) -> bool:
 
 def test_small_path_with_async_requests() -> None:
     assert run_ranks(_async_mix, 3, timeout=90) == [True] * 3
+
+
+def _torch_sync(rank: int) -> tuple[int, int]:
+    import torch
+
+    import shoal
+    import shoal.torch as st
+    n = shoal.size()
+    engine = shoal.communicator().engine
+    before = engine.small_rounds
+    for dtype in (torch.float32, torch.float64, torch.int32, torch.bfloat16):
+        for length in (7, 1024):
+            inputs = [torch.arange(length, dtype=torch.float64).mul(r + 1).to(dtype)
+                      for r in range(n)]
+            want = sum(t.double() for t in inputs)
+            for _ in range(3):  # the first negotiates, the next ones take one round
+                t = inputs[rank].clone()
+                assert st.allreduce_(t, op=st.Sum, name=f"t.{dtype}.{length}") is t
+                torch.testing.assert_close(t.double(), want, rtol=1e-2, atol=0)
+                copy = st.allreduce(inputs[rank], op=st.Sum, name=f"c.{dtype}.{length}")
+                assert copy.dtype == dtype and copy.data_ptr() != inputs[rank].data_ptr()
+                torch.testing.assert_close(copy.double(), want, rtol=1e-2, atol=0)
+    one_round = engine.small_rounds - before
+    # scaled, or averaged with a prescale: the general way, still right
+    x = torch.full((5,), float(rank + 1))
+    for _ in range(3):
+        got = st.allreduce(x, op=st.Sum, name="scaled", prescale_factor=0.5,
+                           postscale_factor=4.0)
+        torch.testing.assert_close(got, torch.full((5,), 2.0 * sum(range(1, n + 1))))
+    return one_round, engine.small_rounds - before - one_round
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_torch_synchronous_allreduce_takes_the_one_round_path(n: int) -> None:
+    results = run_ranks(_torch_sync, n, timeout=180)
+    # 4 dtypes x 2 lengths x 2 calls (in place and a copy), each once negotiated, twice in
+    # one round; the scaled calls never take it
+    assert results == [(4 * 2 * 2 * 2, 0)] * n, results

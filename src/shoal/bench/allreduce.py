@@ -1,4 +1,4 @@
-"""``shoal bench allreduce``: float32 allreduce time and bandwidth, shoal vs torch gloo.
+"""``shoal bench allreduce``: float32 allreduce time and bandwidth, shoal against its peers.
 
 The driver starts one job per world size through shoalrun. Inside the job every rank
 initialises shoal *and* (when torch is installed) ``torch.distributed`` over gloo, and the
@@ -9,6 +9,12 @@ rank); the table reports the minimum and median over trials, and the spread.
 
 bus bandwidth = bytes / time x 2 (n-1) / n, the traffic a bandwidth-optimal allreduce must move
 per rank, as nccl-tests reports it.
+
+Every peer is compared with shoal through the same kind of array: gloo and DeepSpeed with
+``shoal-torch`` (shoal's in-place Sum of a torch tensor), MPI with ``shoal`` (a numpy array).
+DeepSpeed (``--peers deepspeed``, :mod:`.deepspeed_shm`) needs the peers venv: the job then
+runs in that venv's python. ``--repeat N`` runs the job N times in a row and records each run's
+median ratios, and their median and worst over the runs (slow modes show there).
 """
 
 from __future__ import annotations
@@ -43,7 +49,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trials", type=int, default=15, help="timed trials per method and size")
     p.add_argument("--peers", default="gloo,mpi",
                    help="comma list of peers: gloo, mpi (mpi runs the job under mpirun from "
-                        "the peers venv, scripts/install-peers.sh), or none")
+                        "the peers venv, scripts/install-peers.sh), deepspeed (its C++ "
+                        "shared-memory allreduce; one host; the peers venv), or none")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="jobs per world size, one after another; the runs' median ratios and "
+                        "their median and worst are recorded")
     p.add_argument("--out", default="benchmarks/allreduce.json", help="JSON results file")
     p.add_argument("--timeout", type=float, default=900, help="seconds per world size")
 
@@ -74,6 +84,7 @@ def worker_main(argv: Sequence[str]) -> None:
             mpi = MPI
         except ImportError:
             missing["mpi"] = "mpi4py is not importable here (scripts/install-peers.sh)"
+    deepspeed = _load_deepspeed(shoal, missing) if "deepspeed" in peers else None
     rng = np.random.default_rng(shoal.rank())
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     times: dict[int, dict[str, list[float]]] = {}
@@ -86,6 +97,13 @@ def worker_main(argv: Sequence[str]) -> None:
             torch, dist = gloo
             t = torch.from_numpy(x.copy())
             methods["gloo"] = lambda t=t, dist=dist: dist.all_reduce(t)
+        if deepspeed is not None:
+            import torch
+
+            import shoal.torch as st
+            ts, td = torch.from_numpy(x.copy()), torch.from_numpy(x.copy())
+            methods["shoal-torch"] = lambda ts=ts: st.allreduce_(ts, op=st.Sum, name="bench")
+            methods["deepspeed"] = lambda td=td: deepspeed(td)
         if mpi is not None:
             mout = np.empty_like(x)
             methods["mpi"] = lambda x=x, mout=mout: mpi.COMM_WORLD.Allreduce(x, mout,
@@ -100,6 +118,9 @@ def worker_main(argv: Sequence[str]) -> None:
                     np.copyto(out, x)
                 floor.append((time.perf_counter() - t0) / _reps(nbytes))
         times[nbytes]["memcpy"] = floor
+    if deepspeed is not None:
+        from .deepspeed_shm import cleanup
+        cleanup()
     everyone = shoal.allgather_object(times)
     if shoal.rank() == 0:
         n = shoal.size()
@@ -119,13 +140,57 @@ def worker_main(argv: Sequence[str]) -> None:
     shoal.shutdown()
 
 
-def format_table(result: dict[str, Any]) -> str:
-    """One row per size: each method's min / median time and bandwidth, and the ratios."""
+def _load_deepspeed(shoal: Any, missing: dict[str, str]) -> Any:
+    """DeepSpeed's in-place shared-memory Sum for this job, or None (the reason in
+    ``missing``). Its segments are named after MASTER_ADDR and MASTER_PORT: a name per job."""
+    import os
+    if shoal.local_size() != shoal.size():
+        missing["deepspeed"] = "its shared-memory allreduce works on one host only"
+        return None
+    tag = shoal.broadcast_object(f"{os.getpid()}", root_rank=0)
+    os.environ.update(LOCAL_SIZE=str(shoal.size()), MASTER_ADDR="shoal-bench",
+                      MASTER_PORT=tag)
+    try:
+        from .deepspeed_shm import load
+        op = load(shoal.size(), shoal.rank())
+    except (ImportError, RuntimeError, OSError) as exc:
+        missing["deepspeed"] = f"{type(exc).__name__}: {exc} (scripts/install-peers.sh)"
+        return None
+    finally:
+        shoal.barrier()  # every rank attached (or failed) before anyone times
+    return op
+
+
+#: which shoal method each peer is compared with: the same kind of array through each API
+_SHOAL_FOR = {"deepspeed": "shoal-torch"}
+
+
+def _peers(methods: dict[str, Any]) -> list[str]:
+    return [m for m in methods if m not in ("shoal", "shoal-torch", "memcpy")]
+
+
+def ratios(result: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Per peer and size: shoal's median time over the peer's (below 1: shoal is faster),
+    shoal taken through the same kind of array as the peer (:data:`_SHOAL_FOR`)."""
     methods = result["methods"]
-    peers = [m for m in methods if m not in ("shoal", "memcpy")]
+    out: dict[str, dict[str, float]] = {}
+    for p in _peers(methods):
+        base = methods[_SHOAL_FOR.get(p, "shoal")]
+        out[p] = {key: base[key]["median"] / q["median"] for key, q in methods[p].items()}
+    return out
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """One row per size: each method's min / median time and bandwidth, and the ratios of
+    the medians (shoal's time over the peer's)."""
+    methods = result["methods"]
+    peers = _peers(methods)
+    ratio = ratios(result)
     head = f"{'size':>8} | {'shoal ms':>9} {'med':>8} {'busbw':>7} |"
+    if "shoal-torch" in methods:
+        head += f" {'shoal-torch ms':>14} {'med':>8} |"
     for p in peers:
-        head += f" {p + ' ms':>9} {'med':>8} | {'shoal/' + p:>10} |"
+        head += f" {p + ' ms':>12} {'med':>8} | {'shoal/' + p:>14} |"
     head += f" {'memcpy ms':>9} | {'shoal/memcpy':>12}"
     lines = [f"np={result['np']} algorithm={result['algorithm']}"
              + "".join(f"  [{k} missing: {v}]" for k, v in result["missing"].items()),
@@ -135,37 +200,77 @@ def format_table(result: dict[str, Any]) -> str:
         s = methods["shoal"][key]
         row = (f"{human_bytes(nbytes):>8} | {s['min'] * 1e3:9.3f} {s['median'] * 1e3:8.3f} "
                f"{s['busbw_GBps']:6.2f}G |")
+        if "shoal-torch" in methods:
+            q = methods["shoal-torch"][key]
+            row += f" {q['min'] * 1e3:14.3f} {q['median'] * 1e3:8.3f} |"
         for p in peers:
             q = methods[p][key]
-            row += f" {q['min'] * 1e3:9.3f} {q['median'] * 1e3:8.3f} | " \
-                   f"{s['min'] / q['min']:9.2f}x |"
+            row += f" {q['min'] * 1e3:12.3f} {q['median'] * 1e3:8.3f} | " \
+                   f"{ratio[p][key]:13.2f}x |"
         m = methods["memcpy"][key]
         row += f" {m['min'] * 1e3:9.3f} | {s['min'] / m['min']:11.2f}x"
         lines.append(row)
     return "\n".join(lines)
 
 
+def summarize_runs(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Over repeated jobs of one world size: every run's median ratios, and per peer and size
+    their median and worst (the largest: shoal's slowest run against the peer)."""
+    per_run = [ratios(r) for r in runs]
+    summary: dict[str, dict[str, dict[str, float]]] = {}
+    for p in per_run[0]:
+        summary[p] = {}
+        for key in per_run[0][p]:
+            values = sorted(r[p][key] for r in per_run)
+            summary[p][key] = {"median": float(np.median(values)), "worst": values[-1],
+                               "best": values[0]}
+    return {"np": runs[0]["np"], "runs": per_run, "summary": summary}
+
+
+def format_summary(rep: dict[str, Any]) -> str:
+    """The repeated runs' ratios: per peer and size the median, best and worst over runs."""
+    lines = [f"np={rep['np']}: shoal's median time over the peer's, {len(rep['runs'])} runs"]
+    for p, sizes in rep["summary"].items():
+        for key, s in sizes.items():
+            lines.append(f"  {p:>10} {human_bytes(int(key)):>8}: median {s['median']:.2f}x  "
+                         f"best {s['best']:.2f}x  worst {s['worst']:.2f}x")
+    return "\n".join(lines)
+
+
 def run(args: argparse.Namespace) -> int:
-    """Driver: one shoalrun job per world size; print the tables and write the JSON file."""
-    from .peers import available_peers
-    results = []
+    """Driver: ``--repeat`` shoalrun jobs per world size; print the tables and write the JSON
+    file (the last run's full results per world size, and every run's ratios)."""
+    from .peers import available_peers, peer_python
+    results, repeats = [], []
     peers = [p for p in args.peers.split(",") if p and p != "none"]
     use_mpi = "mpi" in peers and bool(available_peers().get("mpi"))
+    python = peer_python() if "deepspeed" in peers else None
     for n in args.np:
         job_args = ["--sizes", args.sizes, "--trials", str(args.trials), "--peers",
                     ",".join(peers) or "none"]
-        try:
-            if use_mpi:
-                results.append(run_mpi_job(n, "shoal.bench.allreduce", job_args, args.timeout))
-            else:
-                results.append(run_job(n, "shoal.bench.allreduce", job_args, args.timeout))
-                if "mpi" in peers:
-                    results[-1]["missing"]["mpi"] = "not installed (scripts/install-peers.sh)"
-        except RuntimeError as exc:
-            print(f"shoal bench allreduce: {exc}", file=sys.stderr)
-            return 1
-        print(format_table(results[-1]), flush=True)
-    write_results(args.out, {"results": results})
+        runs = []
+        for _ in range(max(1, args.repeat)):
+            try:
+                if use_mpi:
+                    runs.append(run_mpi_job(n, "shoal.bench.allreduce", job_args,
+                                            args.timeout))
+                else:
+                    runs.append(run_job(n, "shoal.bench.allreduce", job_args, args.timeout,
+                                        python=python))
+                    if "mpi" in peers:
+                        runs[-1]["missing"]["mpi"] = "not installed (scripts/install-peers.sh)"
+                    if "deepspeed" in peers and python is None:
+                        runs[-1]["missing"]["deepspeed"] = \
+                            "no peers venv (scripts/install-peers.sh)"
+            except RuntimeError as exc:
+                print(f"shoal bench allreduce: {exc}", file=sys.stderr)
+                return 1
+            print(format_table(runs[-1]), flush=True)
+        results.append(runs[-1])
+        if len(runs) > 1:
+            repeats.append(summarize_runs(runs))
+            print(format_summary(repeats[-1]), flush=True)
+    write_results(args.out, {"results": results, **({"repeats": repeats} if repeats else {})})
     return 0
 
 

@@ -31,13 +31,15 @@ def free_port() -> int:
 
 
 def run_job(np_: int, module: str, args: Sequence[str], timeout: float,
-            launcher_args: Sequence[str] = ()) -> dict[str, Any]:
+            launcher_args: Sequence[str] = (), python: str | None = None) -> dict[str, Any]:
     """Run ``python -m module args --json FILE`` on ``np_`` ranks through shoalrun and return
-    what rank 0 wrote to FILE. Raises ``RuntimeError`` if the job fails."""
+    what rank 0 wrote to FILE; ``python`` (default: this one) runs the launcher and the ranks.
+    Raises ``RuntimeError`` if the job fails."""
+    python = python or sys.executable
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        cmd = [sys.executable, "-m", "shoal.runner", "-np", str(np_), *launcher_args,
-               sys.executable, "-m", module, *args, "--json", out]
+        cmd = [python, "-m", "shoal.runner", "-np", str(np_), *launcher_args,
+               python, "-m", module, *args, "--json", out]
         proc = subprocess.run(cmd, timeout=timeout, check=False)
         if proc.returncode != 0:
             raise RuntimeError(f"the np={np_} job of {module} failed (exit {proc.returncode})")

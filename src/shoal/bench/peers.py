@@ -1,4 +1,4 @@
-"""Where the benchmark peers (torch gloo, Horovod, MPI) live, and which of them work.
+"""Where the benchmark peers (torch gloo, Horovod, MPI, DeepSpeed) live, and which of them work.
 
 The peers are installed by ``scripts/install-peers.sh`` into their own virtual environment,
 ``<repo>/.peers/venv`` (``SHOAL_PEERS_VENV`` overrides the path), never into shoal's. Nothing
@@ -23,7 +23,7 @@ __all__ = [
 ]
 
 #: The peers, in report order.
-PEERS = ("gloo", "horovod", "mpi")
+PEERS = ("gloo", "horovod", "mpi", "deepspeed")
 
 #: Seconds one import probe may take (importing torch cold takes a few).
 PROBE_TIMEOUT_S = 60.0
@@ -34,6 +34,7 @@ _PROBES = {
             "print(torch.__version__)",
     "horovod": "import horovod, horovod.torch; print(horovod.__version__)",
     "mpi": "import mpi4py; from mpi4py import MPI; print(mpi4py.__version__)",
+    "deepspeed": "import deepspeed; print(deepspeed.__version__)",
 }
 
 
@@ -73,7 +74,7 @@ def _probe(python: str, peer: str) -> str | None:
 
 
 def available_peers() -> dict[str, str | None]:
-    """Map "gloo", "horovod" and "mpi" to the version installed in the peers venv, or None.
+    """Map each of :data:`PEERS` to the version installed in the peers venv, or None.
 
     Each peer is probed with a short import in a subprocess (a few seconds each). "mpi" also
     needs ``mpirun`` on PATH. Without a peers venv every peer is None.

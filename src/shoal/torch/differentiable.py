@@ -31,8 +31,8 @@ class _Allreduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, op, name, pre, post, process_set, compression):
         ctx.args = (op, pre, post, process_set, compression)
-        return collectives.allreduce_async(tensor, None, name, op, pre, post, process_set,
-                                           compression).wait()
+        return collectives.allreduce_now(tensor, False, name, op, pre, post, process_set,
+                                         compression)
 
     @staticmethod
     def backward(ctx, grad):
@@ -154,8 +154,8 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
                op: ReduceOp | None = None, prescale_factor: float = 1.0,
                postscale_factor: float = 1.0, process_set: Any = None) -> torch.Tensor:
     """Reduce ``tensor`` in place and return it."""
-    return collectives.allreduce_async_(tensor, average, name, op, prescale_factor,
-                                        postscale_factor, process_set).wait()
+    return collectives.allreduce_now(tensor, True, name, resolve_op(average, op),
+                                     prescale_factor, postscale_factor, process_set)
 
 
 def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = None,
