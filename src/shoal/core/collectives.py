@@ -263,7 +263,7 @@ class Collectives:
         """Combine ``array`` across all ranks (average by default); returns a new array unless
         ``out`` is given (``out=array`` reduces in place).
 
-        Up to ``SHOAL_SMALL_MESSAGE_BYTES`` on one host, a name seen before completes in
+        Up to ``SHOAL_ONE_ROUND_BYTES`` on one host, a name seen before completes in
         one synchronisation round (:mod:`shoal.core.engine.small`)."""
         op = op if type(op) is ReduceOp else ReduceOp(op)
         if compression is Compression.none and self.engine.small_bytes and \

@@ -138,6 +138,10 @@ KNOBS: dict[str, Knob] = _knobs(
          "several TCP streams; shorter messages travel on one"),
     Knob("small_message_bytes", parse_bytes, 64 << 10, "across hosts, messages up to this "
          "size use recursive doubling (log2 n latencies) instead of the ring (2(n-1))"),
+    Knob("one_round_bytes", _auto_bytes, 0, "on one host, a synchronous allreduce of a name "
+         "seen before carries its data in the negotiation round and every rank reduces it "
+         "whole: one synchronisation instead of three; up to this size (auto, 0: one "
+         "shared-memory chunk, 1 MiB) or a size"),
     # engine (fusion, timeline)
     Knob("fusion_threshold", parse_bytes, 64 << 20, "fusion buffer size in bytes",
          horovod="HOROVOD_FUSION_THRESHOLD"),

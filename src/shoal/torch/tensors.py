@@ -80,7 +80,7 @@ def set_stand_in(on: bool | None) -> None:
 def staged_on_device(t: torch.Tensor) -> bool:
     """Whether ``t`` goes through the device stage (a device tensor, or any tensor with the
     CPU stand-in on)."""
-    return t.device.type != "cpu" or (_STAND_IN if _STAND_IN is not None else stand_in())
+    return not t.is_cpu or (_STAND_IN if _STAND_IN is not None else stand_in())
 
 
 def stage(tensor: torch.Tensor, *, copy: bool = False, reuse: Staged | None = None,
@@ -90,7 +90,8 @@ def stage(tensor: torch.Tensor, *, copy: bool = False, reuse: Staged | None = No
     ``reuse``: an earlier :class:`Staged` of a tensor of the same shape and dtype whose host
     buffer may be used again (a gradient bucket's). ``fetch=False``: the host buffer is an
     output only, its contents need not be copied from the tensor."""
-    t = tensor.detach()
+    # (detach only what autograd tracks: the latency path of small synchronous allreduces)
+    t = tensor.detach() if tensor.requires_grad else tensor
     if staged_on_device(t):
         from .device import staging
         return staging.stage(tensor, copy=copy, reuse=reuse, fetch=fetch)

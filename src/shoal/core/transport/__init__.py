@@ -147,7 +147,7 @@ class Transport:
 
     def one_round_room(self, head_bytes: int) -> int:
         """The payload bytes that fit behind a proposal of ``head_bytes``."""
-        return self.shm.chunk_bytes - self.shm.payload_offset(head_bytes)
+        return self.shm.slot_bytes - self.shm.payload_offset(head_bytes)
 
     def one_round_primitive(self) -> Callable[[bytes, int, np.ndarray, str],
                                               list[np.ndarray] | None]:

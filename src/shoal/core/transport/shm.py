@@ -1,7 +1,8 @@
 """Shared-memory transport for the ranks of one host.
 
 Every local rank owns one segment: a 4 KiB header of flags (one cache line each, so that ranks
-never write the same line) and two data slots of ``chunk_bytes`` for double buffering. Data is
+never write the same line) and two data slots for double buffering, each ``chunk_bytes`` and a
+page more (a negotiation blob rides ahead of a whole chunk's payload in one round). Data is
 packed straight into the owner's slot and reduced with numpy directly on the peers' slots, so a
 reduction moves each byte through memory about three times (copy in, reduce, copy out) and never
 through a socket. Large messages stream through the fixed-size slots chunk by chunk, which keeps
@@ -49,6 +50,7 @@ _TOKEN = _ARRIVE + 1  # 2 words: what a negotiation round proposes, in brief (sm
 _LIVENESS_EVERY_S = 0.02
 _SPINS = 50  # polls before sleeping: covers a peer in lockstep (small messages), a few tens of us
 _NAP_S = 0.002  # longest futex sleep: bounds a wake-up lost to the flag and sleeper-mark race
+_SLACK = 4096  # bytes of a slot past the chunk: room for the blob ahead of a one-round payload
 
 
 def _alive(pid: int) -> bool:
@@ -154,6 +156,7 @@ class ShmGroup(ShmStreams):
         self.ranks = tuple(ranks)
         self.n = len(self.ranks)
         self.chunk_bytes = max(4096, chunk_bytes - chunk_bytes % 64)
+        self.slot_bytes = slot = self.chunk_bytes + _SLACK
         self.timeout = timeout
         self.seq = 0
         self._yield_first = self.n > (os.cpu_count() or 1)
@@ -161,7 +164,7 @@ class ShmGroup(ShmStreams):
         # and sleeping on a futex was slower (4 ranks on 2 cores: 4 KiB 0.045 ms against 0.03,
         # 16 MiB 10 ms against 8); otherwise yielding takes the core from the backward pass
         self._futex = futex.AVAILABLE and not self._yield_first
-        size = _HEADER + 2 * self.chunk_bytes
+        size = _HEADER + 2 * slot
         path = segment_path(job_id, node, me)
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
@@ -185,9 +188,8 @@ class ShmGroup(ShmStreams):
         finally:
             os.unlink(path)
         self._hdr = [np.ndarray((_HEADER // 8,), np.int64, buffer=m) for m in self._maps]
-        self._slots = [[np.ndarray((self.chunk_bytes,), np.uint8, buffer=m,
-                                   offset=_HEADER + s * self.chunk_bytes) for s in (0, 1)]
-                       for m in self._maps]
+        self._slots = [[np.ndarray((slot,), np.uint8, buffer=m, offset=_HEADER + s * slot)
+                        for s in (0, 1)] for m in self._maps]
         self._hdr[me][_PID] = os.getpid()
         barrier("shm-ready")
         self._pids = [int(h[_PID]) for h in self._hdr]
@@ -195,12 +197,11 @@ class ShmGroup(ShmStreams):
         # each slot's first word: the length of the blob in it
         # the same memory as memoryviews: whole segments as int64 words, slots as bytes
         self._words = [memoryview(m).cast("q") for m in self._maps]
-        self._bytes = [[memoryview(m)[_HEADER + s * self.chunk_bytes:
-                                      _HEADER + (s + 1) * self.chunk_bytes] for s in (0, 1)]
-                       for m in self._maps]
+        self._bytes = [[memoryview(m)[_HEADER + s * slot:_HEADER + (s + 1) * slot]
+                        for s in (0, 1)] for m in self._maps]
         self._views: dict[tuple, list[np.ndarray]] = {}
         self._crosser: ThreadPoolExecutor | None = None  # the pipelined allreduce's helper
-        self._length_word = [(_HEADER + s * self.chunk_bytes) // 8 for s in (0, 1)]
+        self._length_word = [(_HEADER + s * slot) // 8 for s in (0, 1)]
         self._address = [h.ctypes.data for h in self._hdr]  # for the futex calls
 
     # -- synchronisation ---------------------------------------------------------------
@@ -296,7 +297,7 @@ class ShmGroup(ShmStreams):
 
         Used for agreement and negotiation: small, but not bounded by a header field.
         """
-        cap = self.chunk_bytes - 8
+        cap = self.slot_bytes - 8
         if len(blob) <= cap:  # the usual case: one round
             self.seq += 1
             seq = self.seq
@@ -347,7 +348,7 @@ class ShmGroup(ShmStreams):
                 self._views.clear()
             views = self._views[key] = [
                 np.ndarray(payload.size, payload.dtype, buffer=m, offset=_HEADER + k *
-                           self.chunk_bytes + off) for m in self._maps]
+                           self.slot_bytes + off) for m in self._maps]
         mine = self._bytes[me][k]
         mine[8:8 + n] = blob
         views[me][...] = payload
@@ -371,10 +372,10 @@ class ShmGroup(ShmStreams):
         rank's), finishing it the long way if a peer's did not fit one slot."""
         k = self.seq & 1
         sizes = [words[self._length_word[k]] for words in self._words]
-        if max(sizes) <= self.chunk_bytes - 8:
+        if max(sizes) <= self.slot_bytes - 8:
             return [s[k][8:8 + n].tobytes() for s, n in zip(self._slots, sizes, strict=True)]
         self.seq -= 1
-        return self._allgather_long(blob, what, self.chunk_bytes - 8, resume=True)
+        return self._allgather_long(blob, what, self.slot_bytes - 8, resume=True)
 
     def _allgather_long(self, blob: bytes, what: str, cap: int, resume: bool) -> list[bytes]:
         out = [bytearray() for _ in range(self.n)]
