@@ -289,6 +289,10 @@ def test_deepspeed_is_compared_with_shoal_on_torch_tensors_and_runs_are_summaris
     assert rep["summary"]["deepspeed"]["1024"] == {"median": 0.75, "worst": 1.5, "best": 0.5}
     assert rep["summary"]["gloo"]["1024"]["median"] == 1.0
     assert "worst 1.50x" in format_summary(rep)
+    from shoal.bench.allreduce import section
+    text = "\n".join(section({"command": "shoal bench allreduce --peers deepspeed",
+                              "results": [runs[-1]], "repeats": [rep]}))
+    assert "| 1 KiB | 0.75x | 0.50x | 1.50x |" in text and "2 ranks" in text
 
 
 def test_deepspeed_without_its_venv_is_reported_missing(tmp_path) -> None:

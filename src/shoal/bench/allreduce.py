@@ -237,6 +237,32 @@ def format_summary(rep: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def section(data: dict[str, Any]) -> list[str]:
+    """BENCHMARKS.md's section of a ``--peers deepspeed --repeat N`` results file: each
+    world size's ratios over the runs, then its last run in full."""
+    from .common import markdown_table
+    ranks = " and ".join(str(r["np"]) for r in data["results"])
+    out = [f"## AllReduce on one host against DeepSpeed's C++ shared-memory allreduce, "
+           f"{ranks} ranks", "",
+           f"Command: `{data['command']}`. float32 Sum of torch tensors in place, through "
+           "each library's API (`shoal.torch.allreduce_(t, op=Sum, name=...)`, "
+           "`torch.ops.deepspeed.inference_all_reduce_(t)`), in the same processes, "
+           "alternating trial by trial; shoal / deepspeed is shoal's median time over "
+           "DeepSpeed's (below 1: shoal is faster).", ""]
+    for rep in data.get("repeats", []):
+        rows = [f"size | median over {len(rep['runs'])} runs | best run | worst run"]
+        for key, s in rep["summary"].get("deepspeed", {}).items():
+            rows.append(f"{human_bytes(int(key))} | {s['median']:.2f}x | {s['best']:.2f}x | "
+                        f"{s['worst']:.2f}x")
+        out += [f"{rep['np']} ranks, shoal / deepspeed per run:", "",
+                *markdown_table("\n".join(rows)), ""]
+    for res in data["results"]:
+        first, _, table = format_table(res).partition("\n")
+        rows = [table.splitlines()[0], *table.splitlines()[2:]]
+        out += [f"Last run, {first}:", "", *markdown_table("\n".join(rows)), ""]
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     """Driver: ``--repeat`` shoalrun jobs per world size; print the tables and write the JSON
     file (the last run's full results per world size, and every run's ratios)."""

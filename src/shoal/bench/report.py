@@ -280,6 +280,10 @@ def build(folder: str) -> str:
             continue
         first = first or data
         lines += section(data, plots) if name == "allreduce" else section(data)
+    for path in sorted(glob.glob(os.path.join(folder, "allreduce-deepspeed*.json")),
+                       key=lambda p: (len(p), p)):  # 2 ranks, then further files
+        from .allreduce import section as deepspeed_section
+        lines += deepspeed_section(load_results(folder, os.path.basename(path)[:-5]))
     data = load_results(folder, "collectives")
     if data is not None:
         from .collectives import section as collectives_section
