@@ -68,6 +68,8 @@ def _limit(rank: int) -> list[int]:
     import shoal
     engine = shoal.communicator().engine
     limit = engine.small_bytes
+    assert limit == (shoal.communicator().cfg.one_round_bytes or 1 << 20) or \
+        engine.small.limit == 0, limit
     counts = []
     for nbytes in (limit, limit + 8):
         before = engine.small_rounds
@@ -81,7 +83,7 @@ def _limit(rank: int) -> list[int]:
 
 def test_size_limit_and_knob() -> None:
     assert run_ranks(_limit, 2, timeout=60) == [[2, 0]] * 2  # at the limit: yes; past: no
-    assert run_ranks(_limit, 2, timeout=60, small_message_bytes=1024) == [[2, 0]] * 2
+    assert run_ranks(_limit, 2, timeout=60, one_round_bytes=1024) == [[2, 0]] * 2
     assert run_ranks(_limit, 2, timeout=60, allreduce_algorithm="ring") == [[0, 0]] * 2
 
 
@@ -194,3 +196,36 @@ def test_torch_synchronous_allreduce_takes_the_one_round_path(n: int) -> None:
     # 4 dtypes x 2 lengths x 2 calls (in place and a copy), each once negotiated, twice in
     # one round; the scaled calls never take it
     assert results == [(4 * 2 * 2 * 2, 0)] * n, results
+
+
+def _whole_chunk(rank: int) -> tuple[int, str]:
+    import shoal
+    n = shoal.size()
+    engine = shoal.communicator().engine
+    before = engine.small_rounds
+    digest = hashlib.sha256()
+    for dtype in ("float32", "float64", "int32"):
+        # odd lengths up to the one-round limit (one chunk): 1 MiB of float32 at the top
+        most = engine.small_bytes // np.dtype(dtype).itemsize
+        for length in (most // 3 | 1, most - 1, most):
+            inputs = [rank_input(f"{dtype}.{length}", r, (length,), dtype) for r in range(n)]
+            want = reference(inputs, "SUM", dtype)
+            for step in range(3):
+                x = inputs[rank].copy()
+                if step == 2:  # in place
+                    shoal.allreduce(x, op=shoal.Sum, name=f"w.{dtype}.{length}", out=x)
+                    got = x
+                else:
+                    got = shoal.allreduce(x, op=shoal.Sum, name=f"w.{dtype}.{length}")
+                    assert x.tobytes() == inputs[rank].tobytes()  # the input is left alone
+                assert_matches(got, want, dtype, f"{dtype}.{length}/{step}", inputs)
+                digest.update(got.tobytes())
+    return engine.small_rounds - before, digest.hexdigest()
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_one_round_path_up_to_a_whole_chunk_matches_numpy(n: int) -> None:
+    results = run_ranks(_whole_chunk, n, timeout=240)
+    assert len({d for _, d in results}) == 1  # the same bits on every rank
+    # 3 dtypes x 3 lengths, each negotiated once, then twice in one round
+    assert [r for r, _ in results] == [3 * 3 * 2] * n, results
