@@ -53,13 +53,13 @@ class SmallPath:
         self.names = names
         # the largest payload here: none across hosts or on one rank (no shared-memory
         # round carries the whole job), nor with a timeline (it records general rounds)
-        self.limit = (cfg.one_round_bytes or transport.shm.chunk_bytes) \
+        self.limit = (cfg.one_round_bytes or transport.one_round_chunk) \
             if enabled and transport.one_round_ready else 0
         self.rounds = 0  # collectives completed by this path (for tests and diagnostics)
         self._heads: dict[int, tuple[bytes, int]] = {}  # token -> (proposal, payload room)
         # the transport's one-round primitive, bound once: this is the latency path
         self._round = transport.one_round_primitive() if self.limit else None
-        self._me = transport.shm.me if self.limit else 0
+        self._me = transport.one_round_slot if self.limit else 0
 
     def run(self, name: str, desc: str, src: np.ndarray, dst: np.ndarray, op: ReduceOp,
             dtype: str, round_: int) -> list[bytes] | None:

@@ -145,6 +145,17 @@ class Transport:
         reducing through shared memory (local order is then rank order)."""
         return self.algorithm == "shm"
 
+    @property
+    def one_round_chunk(self) -> int:
+        """The largest payload a one-round collective carries by default: one chunk."""
+        return self.shm.chunk_bytes
+
+    @property
+    def one_round_slot(self) -> int:
+        """This rank's place among the payloads of a one-round collective (its local rank,
+        which is its rank: every rank is on this host)."""
+        return self.shm.me
+
     def one_round_room(self, head_bytes: int) -> int:
         """The payload bytes that fit behind a proposal of ``head_bytes``."""
         return self.shm.slot_bytes - self.shm.payload_offset(head_bytes)
