@@ -61,6 +61,20 @@ def test_three_node_cluster_through_a_switch(tmp_path) -> None:
     assert set(res["methods"]) >= {"shoal-hierarchical@1", "shoal-ring@auto"}
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
+def test_tiny_latency_run_times_shoal_against_the_raw_round_trip(tmp_path) -> None:
+    out = tmp_path / "latency.json"
+    proc = _shoal("bench", "latency", "--local", "1", "--sizes", "4K", "--trials", "2",
+                  "--reps", "5", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads(out.read_text())["results"][0]
+    assert res["nodes"] == 2 and res["np"] == 2 and {"shoal", "rtt"} <= set(res["methods"])
+    rtt = res["methods"]["rtt"]["4096"]
+    assert 0 < rtt["min"] <= rtt["median"]
+    from shoal.bench.latency import format_table
+    assert "it / rtt" in format_table(res)
+
+
 def test_report_from_fixture(tmp_path) -> None:
     folder = tmp_path / "benchmarks"
     shutil.copytree(FIXTURE, folder)

@@ -229,3 +229,40 @@ def test_one_round_path_up_to_a_whole_chunk_matches_numpy(n: int) -> None:
     assert len({d for _, d in results}) == 1  # the same bits on every rank
     # 3 dtypes x 3 lengths, each negotiated once, then twice in one round
     assert [r for r, _ in results] == [3 * 3 * 2] * n, results
+
+
+def _across_hosts(rank: int) -> tuple[int, str]:
+    import shoal
+    n = shoal.size()
+    engine = shoal.communicator().engine
+    digest = hashlib.sha256()
+    for dtype in ("float32", "float64", "int32", "float16", "bfloat16"):
+        ops = ["SUM", "AVERAGE", "MIN", "MAX"] if dtype != "int32" else ["SUM", "MAX"]
+        for op in ops:
+            for shape in ((1,), (7,), (0,), (1001,)):
+                name = f"x.{dtype}.{op}.{shape}"
+                for step in range(3):
+                    case = f"{name}/{step}"
+                    inputs = [rank_input(case, r, shape, dtype) for r in range(n)]
+                    got = shoal.allreduce(inputs[rank], op=shoal.ReduceOp[op], name=name,
+                                          bf16=dtype == "bfloat16" and
+                                          inputs[rank].dtype != dtype_of(dtype))
+                    assert_matches(got, reference(inputs, op, dtype), dtype, case, inputs)
+                    digest.update(np.ascontiguousarray(got).tobytes())
+    # a disagreeing round (one rank late, another name pending) still completes everywhere
+    x = np.full(3, float(rank + 1))
+    for i in range(3):
+        if rank == 0:
+            time.sleep(0.05)
+        assert shoal.allreduce(x, op=shoal.Sum, name="late").tolist() == \
+            [float(sum(range(1, n + 1)))] * 3, i
+    return engine.small_rounds, digest.hexdigest()
+
+
+@pytest.mark.parametrize("hosts", [["a", "b"], ["a", "a", "b", "b"], ["a", "b", "c"],
+                                   ["a", "a", "b", "b", "c", "c"]])
+def test_one_round_path_across_hosts_matches_numpy(hosts: list[str]) -> None:
+    results = run_ranks(_across_hosts, len(hosts), hosts=hosts, timeout=240)
+    assert len({d for _, d in results}) == 1  # the same bits on every rank
+    rounds = [r for r, _ in results]
+    assert len(set(rounds)) == 1 and rounds[0] > 50, rounds  # the path was taken

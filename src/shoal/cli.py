@@ -13,6 +13,7 @@ _BENCH = {
     "allreduce": "float32 allreduce, shoal vs torch gloo vs Open MPI vs memcpy",
     "exchange": "a real model's gradient exchange, shoal vs gloo vs Horovod",
     "cluster": "allreduce across emulated nodes on a shaped link (root)",
+    "latency": "small allreduces across emulated nodes vs the raw TCP round trip (root)",
     "collectives": "reducescatter and allgather vs allreduce and gloo",
     "train": "end-to-end EfficientNet throughput, shoal vs DDP (source checkout)",
     "soak": "many mixed collectives checked against numpy: mismatches, memory, cache size",

@@ -284,6 +284,9 @@ def build(folder: str) -> str:
                        key=lambda p: (len(p), p)):  # 2 ranks, then further files
         from .allreduce import section as deepspeed_section
         lines += deepspeed_section(load_results(folder, os.path.basename(path)[:-5]))
+    for path in sorted(glob.glob(os.path.join(folder, "latency*.json")), key=lambda p: (len(p), p)):
+        from .latency import section as latency_section
+        lines += latency_section(load_results(folder, os.path.basename(path)[:-5]))
     data = load_results(folder, "collectives")
     if data is not None:
         from .collectives import section as collectives_section

@@ -51,10 +51,11 @@ class SmallPath:
                  enabled: bool = True) -> None:
         self.transport = transport
         self.names = names
-        # the largest payload here: none across hosts or on one rank (no shared-memory
-        # round carries the whole job), nor with a timeline (it records general rounds)
-        self.limit = (cfg.one_round_bytes or transport.one_round_chunk) \
+        # the largest payload here: none on one rank (no round carries the whole job), nor
+        # with a timeline (it records general rounds)
+        self.limit = transport.one_round_limit(cfg.one_round_bytes) \
             if enabled and transport.one_round_ready else 0
+        self._cross = bool(self.limit) and transport.crosses_hosts
         self.rounds = 0  # collectives completed by this path (for tests and diagnostics)
         self._heads: dict[int, tuple[bytes, int]] = {}  # token -> (proposal, payload room)
         # the transport's one-round primitive, bound once: this is the latency path
@@ -81,20 +82,29 @@ class SmallPath:
         blob, room = known
         if src.nbytes > room:
             return NOT_SENT
-        parts = self._round(blob, token, src, "negotiation round")
+        if self._cross:  # each host reduces its own payloads first (the same bits on each)
+            def partial(views: list[np.ndarray]) -> np.ndarray:
+                acc = np.empty_like(views[0])
+                reduce_into(acc, views[1:], op, dtype, first=views[0])
+                return acc
+            parts = self._round(blob, token, src, "negotiation round", partial)
+        else:
+            parts = self._round(blob, token, src, "negotiation round")
         if parts is None:
             return self.transport.one_round_blobs(blob, "negotiation round")
         fast = _DIRECT.get((op, dtype)) if len(parts) == 2 else None
-        if fast is not None:  # the common case, without reduce_into's generality
+        if fast is not None and self._me >= 0:  # the common case, without the generality
             # this rank's term read from its source, hot in cache and, in place, the output
             # itself (a third faster than from the slot); the same values in the same order
             if self._me:
                 fast(parts[0], src, out=dst)
             else:
                 fast(src, parts[1], out=dst)
+        elif fast is not None:
+            fast(parts[0], parts[1], out=dst)
         else:
-            reduce_into(dst, parts[1:], op, dtype,
-                        divide_by=len(parts) if op == ReduceOp.AVERAGE else 0, first=parts[0])
+            reduce_into(dst, parts[1:], op, dtype, first=parts[0],
+                        divide_by=self.transport.size if op == ReduceOp.AVERAGE else 0)
         names.last[cache_id] = round_  # as a general round records its use
         self.rounds += 1
         return None
