@@ -222,14 +222,7 @@ def run(args: argparse.Namespace) -> int:
         with cluster:
             flow = [probe(cluster, 0, 1, 1, probe_bytes) for _ in range(3)]
             link = [probe(cluster, 0, 1, LINK_FLOWS, probe_bytes) for _ in range(3)]
-            procs = []
-            for rank in range(size):
-                node = rank // LOCAL
-                argv = [sys.executable, "-m", "shoal.bench.cluster", "--rank", str(rank),
-                        "--host", f"node{node}", "--device", cluster.devices[node], *common]
-                procs.append(subprocess.Popen(cluster.command(node, argv)))
-            deadline = time.monotonic() + args.timeout
-            codes = [p.wait(timeout=max(1.0, deadline - time.monotonic())) for p in procs]
+            codes = cluster.run_ranks("shoal.bench.cluster", size, LOCAL, common, args.timeout)
     except (ClusterUnavailableError, RuntimeError, subprocess.TimeoutExpired) as exc:
         print(f"shoal bench cluster: {exc}", file=sys.stderr)
         return 1

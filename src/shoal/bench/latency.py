@@ -239,15 +239,9 @@ def run(args: argparse.Namespace) -> int:
               str(args.trials), "--reps", str(args.reps), "--json", out]
     try:
         with cluster:
-            procs = []
-            for rank in range(size):
-                node = rank // args.local
-                argv = [sys.executable, "-m", "shoal.bench.latency", "--rank", str(rank),
-                        "--host", f"node{node}", "--bind", cluster.addresses[node],
-                        "--device", cluster.devices[node], *common]
-                procs.append(subprocess.Popen(cluster.command(node, argv)))
-            deadline = time.monotonic() + _CONNECT_S
-            codes = [p.wait(timeout=max(1.0, deadline - time.monotonic())) for p in procs]
+            codes = cluster.run_ranks("shoal.bench.latency", size, args.local, common,
+                                      args.timeout,
+                                      lambda node: ["--bind", cluster.addresses[node]])
     except (ClusterUnavailableError, RuntimeError, subprocess.TimeoutExpired) as exc:
         print(f"shoal bench latency: {exc}", file=sys.stderr)
         return 1

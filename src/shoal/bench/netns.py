@@ -23,7 +23,9 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-from collections.abc import Sequence
+import sys
+import time
+from collections.abc import Callable, Sequence
 
 __all__ = ["ClusterUnavailableError", "EmulatedCluster"]
 
@@ -169,6 +171,29 @@ class EmulatedCluster:
     def command(self, node: int, argv: Sequence[str]) -> list[str]:
         """``argv`` run inside ``node``'s namespace."""
         return ["ip", "netns", "exec", self.namespaces[node], *argv]
+
+    def run_ranks(self, module: str, size: int, local: int, common: Sequence[str],
+                  timeout: float,
+                  extra: Callable[[int], Sequence[str]] = lambda node: ()) -> list[int]:
+        """Run ``python -m module`` as ranks ``0..size-1``, ``local`` per node, each inside its
+        node's namespace with ``--rank``, ``--host node<i>``, ``--device`` (its link end),
+        ``extra(node)`` and ``common``; wait for all of them, at most ``timeout`` seconds in
+        all, and return their exit codes. Raises ``subprocess.TimeoutExpired`` once the
+        workers still running are killed."""
+        procs = []
+        try:
+            for rank in range(size):
+                node = rank // local
+                argv = [sys.executable, "-m", module, "--rank", str(rank), "--host",
+                        f"node{node}", "--device", self.devices[node], *extra(node), *common]
+                procs.append(subprocess.Popen(self.command(node, argv)))
+            deadline = time.monotonic() + timeout
+            return [p.wait(timeout=max(1.0, deadline - time.monotonic())) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
 
     def rate_bytes_per_s(self) -> float:
         """The configured link rate in bytes per second."""
