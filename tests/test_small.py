@@ -266,3 +266,70 @@ def test_one_round_path_across_hosts_matches_numpy(hosts: list[str]) -> None:
     assert len({d for _, d in results}) == 1  # the same bits on every rank
     rounds = [r for r, _ in results]
     assert len(set(rounds)) == 1 and rounds[0] > 50, rounds  # the path was taken
+
+
+def _broadcast_and_reducescatter(rank: int) -> tuple[int, str]:
+    import shoal
+    n = shoal.size()
+    engine = shoal.communicator().engine
+    before = engine.small_rounds
+    digest = hashlib.sha256()
+    for dtype in ("float32", "float64", "int32", "float16", "bfloat16", "bool"):
+        for shape in ((1,), (7, 3), (0,), (1001,)):
+            for root in range(n):
+                name = f"b.{dtype}.{shape}.{root}"
+                for step in range(3):
+                    inputs = [rank_input(f"{name}/{step}", r, shape, dtype) for r in range(n)]
+                    x = inputs[rank].copy()
+                    got = shoal.broadcast(x, root, name=name)
+                    assert got is x and x.tobytes() == inputs[root].tobytes(), (name, step)
+            if dtype == "bool":
+                continue
+            for op in ("SUM", "AVERAGE", "MAX"):
+                name = f"rs.{dtype}.{op}.{shape}"
+                for step in range(3):
+                    inputs = [rank_input(f"{name}/{step}", r, shape, dtype) for r in range(n)]
+                    got = shoal.reducescatter(inputs[rank], op=shoal.ReduceOp[op], name=name,
+                                              bf16=dtype == "bfloat16" and
+                                              inputs[rank].dtype != dtype_of(dtype))
+                    want = reference(inputs, op, dtype)
+                    rows = shape[0]
+                    base, extra = divmod(rows, n)
+                    lo = rank * base + min(rank, extra)
+                    hi = lo + base + (rank < extra)
+                    assert_matches(got, want[lo:hi], dtype, f"{name}/{step}",
+                                   [i[lo:hi] for i in inputs])
+                    digest.update(np.ascontiguousarray(got).tobytes())
+    # a late rank: the round does not agree and completes the general way
+    x = np.full(4, float(rank))
+    for _ in range(3):
+        if rank == 0:
+            time.sleep(0.05)
+        assert shoal.broadcast(x.copy(), n - 1, name="late.b").tolist() == [n - 1.0] * 4
+    return engine.small_rounds - before, digest.hexdigest()
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_one_round_broadcast_and_reducescatter_match_numpy(n: int) -> None:
+    results = run_ranks(_broadcast_and_reducescatter, n, timeout=240)
+    rounds = [r for r, _ in results]
+    # 6 dtypes x 4 shapes x n roots broadcast, 5 dtypes x 4 shapes x 3 ops reduce-scattered,
+    # each negotiated once, then in one round twice
+    want = 2 * (6 * 4 * n + 5 * 4 * 3)
+    assert all(want <= r <= want + 3 for r in rounds), (rounds, want)
+
+
+def _prescaled(rank: int) -> int:
+    import shoal
+    engine = shoal.communicator().engine
+    for _ in range(3):
+        got = shoal.reducescatter(np.ones(4), op=shoal.Sum, name="pre", prescale_factor=2.0)
+        assert got.tolist() == [4.0, 4.0], got
+        x = np.full(3, float(rank))
+        assert shoal.broadcast(x, 1, name="b").tolist() == [1.0] * 3
+    return engine.small_rounds
+
+
+def test_prescaled_reducescatter_takes_one_round_and_across_hosts_the_general_way() -> None:
+    assert run_ranks(_prescaled, 2, timeout=60) == [4, 4]  # each twice after the first
+    assert run_ranks(_prescaled, 2, hosts=["a", "b"], timeout=60) == [0, 0]

@@ -19,7 +19,7 @@ import numpy as np
 from .adasum import adasum_tree
 from .compression import Codec, Compression
 from .engine import Engine, Kind, Request
-from .reduction import ReduceOp, check_array, check_rows, narrow, scale, widen
+from .reduction import ReduceOp, check_array, check_rows, narrow, reduce_into, scale, widen
 
 __all__ = ["Collectives", "Handle"]
 
@@ -154,7 +154,30 @@ class Collectives:
         req.result = result
         if self.start_at_once:
             req.fused = True
+        finish = None if wake or not self.engine.small_bytes else self._one_round(req)
+        if finish is not None and self.engine.small_request(req, finish):
+            return Handle(self.engine, req.future, then)
         return Handle(self.engine, self.engine.submit(req, wake=wake), then)
+
+    def _one_round(self, req: Request) -> Callable[[list[np.ndarray]], None] | None:
+        """How a synchronous broadcast or reduce-scatter makes its result from every rank's
+        payload in a one-round attempt (:meth:`Engine.small_request`), or None for kinds
+        that do not take it (an allgather's payloads differ in length)."""
+        me = self.engine.rank
+        if req.kind is Kind.BROADCAST:
+            if me == req.root:
+                return lambda parts: None
+            out, root = req.out, req.root
+            return lambda parts: np.copyto(out, parts[root])
+        if req.kind is Kind.REDUCESCATTER:
+            lo, hi = req.extra[me], req.extra[me + 1]
+            out, op, dtype, n = req.out, req.op, req.dtype, self.engine.size
+
+            def block(parts: list[np.ndarray]) -> None:
+                reduce_into(out, [p[lo:hi] for p in parts[1:]], op, dtype, first=parts[0][lo:hi],
+                            divide_by=n if op == ReduceOp.AVERAGE else 0)
+            return block
+        return None
 
     def allreduce_async(self, array: np.ndarray, op: ReduceOp = ReduceOp.AVERAGE,
                         name: str | None = None, out: np.ndarray | None = None,

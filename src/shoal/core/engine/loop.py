@@ -278,7 +278,8 @@ class Engine:
                             time.perf_counter(),
                             round=self.rounds, bytes=src.nbytes)
                 return True
-            future = self._adopt(name, src, dst, dtype, desc, op, blobs)
+            future = self._adopt(Request(Kind.ALLREDUCE, name, src, dst, dtype, desc, op=op),
+                                 blobs)
         except BaseException as exc:
             self._fail(exc)
             raise
@@ -287,11 +288,38 @@ class Engine:
         self.wait(future)  # ran in the round, or pending: the general path from here
         return True
 
-    def _adopt(self, name: str, src: np.ndarray, dst: np.ndarray, dtype: str, desc: str,
-               op: ReduceOp, blobs: list[bytes]) -> Future:
+    def small_request(self, req: Request,
+                      finish: Callable[[list[np.ndarray]], None]) -> bool:
+        """:meth:`allreduce_small` for a synchronous broadcast or reduce-scatter on one host
+        (:meth:`SmallPath.run_parts`): True once ``req`` completed, in one round or, where
+        the round did not agree, the general way; False (nothing done, nothing sent) where
+        it does not qualify."""
+        src = req.array
+        if src.nbytes > self.small.limit or req.ready is not None or self._pending or \
+                self._join is not None or not self._run.acquire(blocking=False):
+            return False
+        try:
+            if self._pending or self._broken is not None or self._stopping:
+                return False
+            blobs = self.small.run_parts(req.name, req.desc, src, finish, self.rounds + 1)
+            if blobs is NOT_SENT:
+                return False
+            self.rounds += 1
+            if blobs is None:
+                req.future.set_result(req.out if req.result is None else req.result)
+                return True
+            self._adopt(req, blobs)
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+        finally:
+            self._run.release()
+        return True
+
+    def _adopt(self, req: Request, blobs: list[bytes]) -> Future:
         """The small path's round did not agree: settle it as a general round (the same on
         every rank), with the request now pending like any other."""
-        req = Request(Kind.ALLREDUCE, name, src, dst, dtype, desc, op=op)
+        name = req.name
         with self._cv:
             if name in self._pending:
                 raise ValueError(f"rank {self.rank}: a collective named {name!r} is already "

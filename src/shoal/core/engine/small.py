@@ -109,6 +109,31 @@ class SmallPath:
         self.rounds += 1
         return None
 
+    def run_parts(self, name: str, desc: str, payload: np.ndarray,
+                  finish: Callable[[list[np.ndarray]], None], round_: int
+                  ) -> list[bytes] | None:
+        """:meth:`run` for any collective on one host: ``payload`` rides along (the same
+        size on every rank: the description fixes it) and ``finish(parts)`` makes this
+        rank's result from every rank's payload, in rank order, read at once. The same
+        outcomes as :meth:`run`; across hosts always :data:`NOT_SENT` (the hosts' partials
+        are an allreduce's)."""
+        names = self.names
+        cached = names.entries.get(name)
+        if self._cross or cached is None or cached[1] != desc:
+            return NOT_SENT
+        cache_id = cached[0]
+        token = (len(names.by_id) << 32) | cache_id
+        blob, room = self._heads.get(token) or self._head(token, cache_id)
+        if payload.nbytes > room:
+            return NOT_SENT
+        parts = self._round(blob, token, payload, "negotiation round")
+        if parts is None:
+            return self.transport.one_round_blobs(blob, "negotiation round")
+        finish(parts)
+        names.last[cache_id] = round_
+        self.rounds += 1
+        return None
+
     def _head(self, token: int, cache_id: int) -> tuple[bytes, int]:
         """The proposal of exactly the cached name ``cache_id`` with a payload riding along
         (the same bytes on every rank that proposes it), and the payload bytes that fit."""
