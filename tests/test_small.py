@@ -333,3 +333,36 @@ def _prescaled(rank: int) -> int:
 def test_prescaled_reducescatter_takes_one_round_and_across_hosts_the_general_way() -> None:
     assert run_ranks(_prescaled, 2, timeout=60) == [4, 4]  # each twice after the first
     assert run_ranks(_prescaled, 2, hosts=["a", "b"], timeout=60) == [0, 0]
+
+
+def _allgathers(rank: int) -> tuple[int, str]:
+    import shoal
+    n = shoal.size()
+    engine = shoal.communicator().engine
+    before = engine.small_rounds
+    digest = hashlib.sha256()
+    for dtype in ("float32", "int32", "float16", "bfloat16", "bool"):
+        for trailing in ((), (3,), (2, 0)):
+            for rows in (1, 5, 0):
+                name = f"g.{dtype}.{trailing}.{rows}"
+                for step in range(3):
+                    inputs = [rank_input(f"{name}/{step}", r, (rows, *trailing), dtype)
+                              for r in range(n)]
+                    got = shoal.allgather(inputs[rank], name=name)
+                    want = np.concatenate(inputs)
+                    assert got.shape == want.shape and got.tobytes() == want.tobytes(), name
+                    digest.update(got.tobytes())
+    # rows that differ by rank: the round does not agree, the general way gathers them
+    for step in range(3):
+        mine = np.full((rank + 1, 2), rank, np.int64)
+        got = shoal.allgather(mine, name="uneven")
+        assert got.tolist() == [[r, r] for r in range(n) for _ in range(r + 1)], step
+    return engine.small_rounds - before, digest.hexdigest()
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_one_round_allgather_of_equal_rows_and_uneven_rows_the_general_way(n: int) -> None:
+    results = run_ranks(_allgathers, n, timeout=240)
+    assert len({d for _, d in results}) == 1
+    # 5 dtypes x 3 trailing shapes x 3 row counts, twice each in one round; uneven never
+    assert [r for r, _ in results] == [5 * 3 * 3 * 2] * n, results

@@ -155,15 +155,27 @@ class Collectives:
         if self.start_at_once:
             req.fused = True
         finish = None if wake or not self.engine.small_bytes else self._one_round(req)
-        if finish is not None and self.engine.small_request(req, finish):
+        rows = req.extra if req.kind is Kind.ALLGATHER else None  # the same, or no one round
+        if finish is not None and self.engine.small_request(req, finish, rows):
             return Handle(self.engine, req.future, then)
         return Handle(self.engine, self.engine.submit(req, wake=wake), then)
 
     def _one_round(self, req: Request) -> Callable[[list[np.ndarray]], None] | None:
-        """How a synchronous broadcast or reduce-scatter makes its result from every rank's
-        payload in a one-round attempt (:meth:`Engine.small_request`), or None for kinds
-        that do not take it (an allgather's payloads differ in length)."""
+        """How a synchronous broadcast, reduce-scatter or allgather makes its result from
+        every rank's payload in a one-round attempt (:meth:`Engine.small_request`), or None
+        for the kinds that do not take it."""
         me = self.engine.rank
+        if req.kind is Kind.ALLGATHER and req.out is None:  # (into out=: the general way)
+            rows, n = req.extra, self.engine.size
+
+            def gather(parts: list[np.ndarray]) -> None:
+                out = np.empty((n * rows, *req.trailing), req.array.dtype)
+                flat = out.reshape(-1)
+                step = parts[0].size
+                for r, part in enumerate(parts):
+                    flat[r * step:(r + 1) * step] = part
+                req.out = out
+            return gather
         if req.kind is Kind.BROADCAST:
             if me == req.root:
                 return lambda parts: None

@@ -288,12 +288,12 @@ class Engine:
         self.wait(future)  # ran in the round, or pending: the general path from here
         return True
 
-    def small_request(self, req: Request,
-                      finish: Callable[[list[np.ndarray]], None]) -> bool:
-        """:meth:`allreduce_small` for a synchronous broadcast or reduce-scatter on one host
-        (:meth:`SmallPath.run_parts`): True once ``req`` completed, in one round or, where
-        the round did not agree, the general way; False (nothing done, nothing sent) where
-        it does not qualify."""
+    def small_request(self, req: Request, finish: Callable[[list[np.ndarray]], None],
+                      rows: int | None = None) -> bool:
+        """:meth:`allreduce_small` for a synchronous broadcast, reduce-scatter or allgather
+        on one host (:meth:`SmallPath.run_parts`; ``rows``: an allgather's): True once
+        ``req`` completed, in one round or, where the round did not agree, the general way;
+        False (nothing done, nothing sent) where it does not qualify."""
         src = req.array
         if src.nbytes > self.small.limit or req.ready is not None or self._pending or \
                 self._join is not None or not self._run.acquire(blocking=False):
@@ -301,7 +301,8 @@ class Engine:
         try:
             if self._pending or self._broken is not None or self._stopping:
                 return False
-            blobs = self.small.run_parts(req.name, req.desc, src, finish, self.rounds + 1)
+            blobs = self.small.run_parts(req.name, req.desc, src, finish, self.rounds + 1,
+                                         rows)
             if blobs is NOT_SENT:
                 return False
             self.rounds += 1

@@ -40,6 +40,9 @@ _DIRECT: dict[tuple[ReduceOp, str], Callable[..., object]] = {
                                          (ReduceOp.PRODUCT, np.multiply))
     for dtype in ("float32", "float64", "int32", "int64")}
 
+#: names the one-round tokens can tell apart: a token is (names << 40 | id << 20 | salt)
+_MAX_NAMES = 1 << 20
+
 #: the outcome of a one-round attempt that was not done in one round: nothing was sent
 NOT_SENT: list[bytes] = []
 
@@ -74,12 +77,15 @@ class SmallPath:
         cached = names.entries.get(name)
         if cached is None or cached[1] != desc:  # new or changed: negotiated in full first
             return NOT_SENT
-        cache_id = cached[0]
-        token = (len(names.by_id) << 32) | cache_id  # len > id >= 0: never zero
-        known = self._heads.get(token)
+        cache_id, count = cached[0], len(names.by_id)
+        if count >= _MAX_NAMES:
+            return NOT_SENT
+        head = (count << 32) | cache_id
+        known = self._heads.get(head)
         if known is None:
-            known = self._head(token, cache_id)
+            known = self._head(head, cache_id)
         blob, room = known
+        token = (count << 40) | (cache_id << 20)  # count > id >= 0: never zero
         if src.nbytes > room:
             return NOT_SENT
         if self._cross:  # each host reduces its own payloads first (the same bits on each)
@@ -110,22 +116,33 @@ class SmallPath:
         return None
 
     def run_parts(self, name: str, desc: str, payload: np.ndarray,
-                  finish: Callable[[list[np.ndarray]], None], round_: int
-                  ) -> list[bytes] | None:
-        """:meth:`run` for any collective on one host: ``payload`` rides along (the same
-        size on every rank: the description fixes it) and ``finish(parts)`` makes this
-        rank's result from every rank's payload, in rank order, read at once. The same
-        outcomes as :meth:`run`; across hosts always :data:`NOT_SENT` (the hosts' partials
-        are an allreduce's)."""
+                  finish: Callable[[list[np.ndarray]], None], round_: int,
+                  rows: int | None = None) -> list[bytes] | None:
+        """:meth:`run` for any collective on one host: ``payload`` rides along and
+        ``finish(parts)`` makes this rank's result from every rank's payload, in rank order,
+        read at once. Payloads are the same size on every rank where the description fixes
+        it; where it does not (an allgather's ``rows``, < 2**20), the proposal is the full
+        one a general round sends (the rows are per call) and the token carries the rows,
+        so a round agrees only where every rank's are the same. The same outcomes as
+        :meth:`run`; across hosts always :data:`NOT_SENT` (the hosts' partials are an
+        allreduce's)."""
         names = self.names
         cached = names.entries.get(name)
-        if self._cross or cached is None or cached[1] != desc:
+        salt = 0 if rows is None else rows
+        if self._cross or cached is None or cached[1] != desc or not 0 <= salt < 1 << 20:
             return NOT_SENT
-        cache_id = cached[0]
-        token = (len(names.by_id) << 32) | cache_id
-        blob, room = self._heads.get(token) or self._head(token, cache_id)
+        cache_id, count = cached[0], len(names.by_id)
+        if count >= _MAX_NAMES:
+            return NOT_SENT
+        if rows is None:
+            head = (count << 32) | cache_id
+            blob, room = self._heads.get(head) or self._head(head, cache_id)
+        else:  # (json of one entry: a few microseconds, as a general round pays)
+            blob = encode(np.zeros(count, bool), [[name, desc, rows]], FAST)
+            room = self.transport.one_round_room(len(blob))
         if payload.nbytes > room:
             return NOT_SENT
+        token = (count << 40) | (cache_id << 20) | salt
         parts = self._round(blob, token, payload, "negotiation round")
         if parts is None:
             return self.transport.one_round_blobs(blob, "negotiation round")
