@@ -148,11 +148,14 @@ def worker_main(argv: Sequence[str]) -> None:
             t = torch.from_numpy(x.copy())
             methods["gloo"] = lambda t=t: gloo.all_reduce(t)
         times[str(nbytes)] = _alternate(methods, args.trials, args.reps, shoal.barrier)
+    engine = shoal.communicator().engine
     everyone = shoal.allgather_object(times)
     if args.rank == 0:
         summary: dict[str, Any] = {"np": args.size, "nodes": args.size // args.local,
                                    "local": args.local, "reps": args.reps,
                                    "algorithm": shoal.communicator().algorithm,
+                                   # rounds of the job, and those that carried their data
+                                   "rounds": engine.rounds, "one_round": engine.small_rounds,
                                    "sizes": [int(k) for k in times], "methods": {}}
         for key, per in times.items():
             for name in per:

@@ -243,6 +243,13 @@ class TcpMesh:
             for k, (stream, lo, hi) in enumerate(plan):
                 inc.setdefault(socks[stream], deque()).append([view[lo:hi], 0, track, k])
             (self.control_received if control else self.received)[peer] += view.nbytes
+        # try first, before the selector: small sends leave at once and a peer's data that
+        # already arrived is read at once (the latency path of small collectives: 2 x 7 us of
+        # register, select and unregister per round saved where nothing needs waiting for)
+        for sock in list(out):
+            self._progress_send(sock, out, what)
+        for sock in list(inc):
+            self._progress_recv(sock, inc, on_recv, what)
         if not out and not inc:
             return
         sel = self._sel
