@@ -137,7 +137,8 @@ KNOBS: dict[str, Knob] = _knobs(
     Knob("tcp_stripe_bytes", parse_bytes, 64 << 10, "smallest piece of a message striped over "
          "several TCP streams; shorter messages travel on one"),
     Knob("small_message_bytes", parse_bytes, 64 << 10, "across hosts, messages up to this "
-         "size use recursive doubling (log2 n latencies) instead of the ring (2(n-1))"),
+         "size use recursive doubling (log2 n latencies) instead of the ring (2(n-1)), and "
+         "synchronous allreduces up to it (a 2 x local ranks share of it) take one round"),
     Knob("one_round_bytes", _auto_bytes, 0, "on one host, a synchronous allreduce of a name "
          "seen before carries its data in the negotiation round and every rank reduces it "
          "whole: one synchronisation instead of three; up to this size (auto, 0: one "
