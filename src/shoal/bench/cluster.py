@@ -22,7 +22,6 @@ import datetime
 import json
 import os
 import secrets
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -32,7 +31,7 @@ import numpy as np
 
 from .common import worst_over_ranks, write_results
 from .flows import probe
-from .netns import ClusterUnavailableError, EmulatedCluster
+from .netns import ClusterUnavailableError, EmulatedCluster, run_bench_job
 from .stats import human_bytes, parse_size, stats
 
 __all__ = ["add_arguments", "format_table", "run", "worker_main"]
@@ -218,20 +217,16 @@ def run(args: argparse.Namespace) -> int:
               secrets.token_hex(16), "--job", f"cluster{os.getpid()}", "--sizes", args.sizes,
               "--trials", str(args.trials), "--streams", args.streams, "--json", out]
     probe_bytes = max(4 << 20, int(cluster.rate_bytes_per_s() / 2))  # about 1/2 s at the link
-    try:
-        with cluster:
-            flow = [probe(cluster, 0, 1, 1, probe_bytes) for _ in range(3)]
-            link = [probe(cluster, 0, 1, LINK_FLOWS, probe_bytes) for _ in range(3)]
-            codes = cluster.run_ranks("shoal.bench.cluster", size, LOCAL, common, args.timeout)
-    except (ClusterUnavailableError, RuntimeError, subprocess.TimeoutExpired) as exc:
-        print(f"shoal bench cluster: {exc}", file=sys.stderr)
+    flow: list[float] = []
+    link: list[float] = []
+
+    def measure_link() -> None:
+        flow.extend(probe(cluster, 0, 1, 1, probe_bytes) for _ in range(3))
+        link.extend(probe(cluster, 0, 1, LINK_FLOWS, probe_bytes) for _ in range(3))
+    result = run_bench_job(cluster, "cluster", size, LOCAL, common, out, args.timeout,
+                           before=measure_link)
+    if result is None:
         return 1
-    if any(codes):
-        print(f"shoal bench cluster: workers exited with {codes}", file=sys.stderr)
-        return 1
-    with open(out) as f:
-        result = json.load(f)
-    os.unlink(out)
     result.update(rate=args.rate, flow_cap=args.flow_cap, link_Bps=max(link),
                   flow_Bps=float(np.median(flow)))
     print(format_table(result))

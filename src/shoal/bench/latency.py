@@ -17,7 +17,6 @@ import json
 import os
 import secrets
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -26,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from .common import worst_over_ranks, write_results
-from .netns import ClusterUnavailableError, EmulatedCluster
+from .netns import ClusterUnavailableError, EmulatedCluster, run_bench_job
 from .stats import human_bytes, parse_size
 
 __all__ = ["add_arguments", "format_table", "run", "worker_main"]
@@ -240,20 +239,10 @@ def run(args: argparse.Namespace) -> int:
               "--addr", cluster.addresses[0], "--secret", secrets.token_hex(16),
               "--job", f"latency{os.getpid()}", "--sizes", args.sizes, "--trials",
               str(args.trials), "--reps", str(args.reps), "--json", out]
-    try:
-        with cluster:
-            codes = cluster.run_ranks("shoal.bench.latency", size, args.local, common,
-                                      args.timeout,
-                                      lambda node: ["--bind", cluster.addresses[node]])
-    except (ClusterUnavailableError, RuntimeError, subprocess.TimeoutExpired) as exc:
-        print(f"shoal bench latency: {exc}", file=sys.stderr)
+    result = run_bench_job(cluster, "latency", size, args.local, common, out, args.timeout,
+                           lambda node: ["--bind", cluster.addresses[node]])
+    if result is None:
         return 1
-    if any(codes):
-        print(f"shoal bench latency: workers exited with {codes}", file=sys.stderr)
-        return 1
-    with open(out) as f:
-        result = json.load(f)
-    os.unlink(out)
     result["rate"] = args.rate
     print(format_table(result))
     write_results(args.out, {"results": [result]})

@@ -20,14 +20,16 @@ apart share a class (and a cap); a job opens far fewer across one link. Needs ``
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
-__all__ = ["ClusterUnavailableError", "EmulatedCluster"]
+__all__ = ["ClusterUnavailableError", "EmulatedCluster", "run_bench_job"]
 
 
 class ClusterUnavailableError(RuntimeError):
@@ -198,3 +200,28 @@ class EmulatedCluster:
     def rate_bytes_per_s(self) -> float:
         """The configured link rate in bytes per second."""
         return rate_bits(self.rate) / 8
+
+
+def run_bench_job(cluster: EmulatedCluster, bench: str, size: int, local: int,
+                  common: Sequence[str], out: str, timeout: float,
+                  extra: Callable[[int], Sequence[str]] = lambda node: (),
+                  before: Callable[[], None] = lambda: None) -> dict[str, Any] | None:
+    """Build ``cluster``, run ``before()`` in it (the link's own measurements), then the ranks
+    of ``shoal.bench.<bench>`` (:meth:`EmulatedCluster.run_ranks`), and tear it down; what
+    rank 0 wrote to ``out`` (then removed), or None once the failure is said on stderr as
+    ``shoal bench <bench>: ...``."""
+    try:
+        with cluster:
+            before()
+            codes = cluster.run_ranks(f"shoal.bench.{bench}", size, local, common, timeout,
+                                      extra)
+    except (ClusterUnavailableError, RuntimeError, subprocess.TimeoutExpired) as exc:
+        print(f"shoal bench {bench}: {exc}", file=sys.stderr)
+        return None
+    if any(codes):
+        print(f"shoal bench {bench}: workers exited with {codes}", file=sys.stderr)
+        return None
+    with open(out) as f:
+        result = json.load(f)
+    os.unlink(out)
+    return result

@@ -73,21 +73,10 @@ class SmallPath:
         :data:`NOT_SENT`: the request does not qualify (a new or changed name, a payload
         too large) and nothing was sent. Otherwise every rank's proposal, for the loop to
         settle as a general round. The caller holds the round lock."""
-        names = self.names
-        cached = names.entries.get(name)
-        if cached is None or cached[1] != desc:  # new or changed: negotiated in full first
+        proposal = self._proposal(name, desc, src.nbytes, None)
+        if proposal is None:
             return NOT_SENT
-        cache_id, count = cached[0], len(names.by_id)
-        if count >= _MAX_NAMES:
-            return NOT_SENT
-        head = (count << 32) | cache_id
-        known = self._heads.get(head)
-        if known is None:
-            known = self._head(head, cache_id)
-        blob, room = known
-        token = (count << 40) | (cache_id << 20)  # count > id >= 0: never zero
-        if src.nbytes > room:
-            return NOT_SENT
+        blob, token, cache_id = proposal
         if self._cross:  # each host reduces its own payloads first (the same bits on each)
             def partial(views: list[np.ndarray]) -> np.ndarray:
                 acc = np.empty_like(views[0])
@@ -111,7 +100,7 @@ class SmallPath:
         else:
             reduce_into(dst, parts[1:], op, dtype, first=parts[0],
                         divide_by=self.transport.size if op == ReduceOp.AVERAGE else 0)
-        names.last[cache_id] = round_  # as a general round records its use
+        self.names.last[cache_id] = round_  # as a general round records its use
         self.rounds += 1
         return None
 
@@ -126,30 +115,42 @@ class SmallPath:
         so a round agrees only where every rank's are the same. The same outcomes as
         :meth:`run`; across hosts always :data:`NOT_SENT` (the hosts' partials are an
         allreduce's)."""
-        names = self.names
-        cached = names.entries.get(name)
-        salt = 0 if rows is None else rows
-        if self._cross or cached is None or cached[1] != desc or not 0 <= salt < 1 << 20:
+        proposal = None if self._cross else self._proposal(name, desc, payload.nbytes, rows)
+        if proposal is None:
             return NOT_SENT
-        cache_id, count = cached[0], len(names.by_id)
-        if count >= _MAX_NAMES:
-            return NOT_SENT
-        if rows is None:
-            head = (count << 32) | cache_id
-            blob, room = self._heads.get(head) or self._head(head, cache_id)
-        else:  # (json of one entry: a few microseconds, as a general round pays)
-            blob = encode(np.zeros(count, bool), [[name, desc, rows]], FAST)
-            room = self.transport.one_round_room(len(blob))
-        if payload.nbytes > room:
-            return NOT_SENT
-        token = (count << 40) | (cache_id << 20) | salt
+        blob, token, cache_id = proposal
         parts = self._round(blob, token, payload, "negotiation round")
         if parts is None:
             return self.transport.one_round_blobs(blob, "negotiation round")
         finish(parts)
-        names.last[cache_id] = round_
+        self.names.last[cache_id] = round_
         self.rounds += 1
         return None
+
+    def _proposal(self, name: str, desc: str, nbytes: int, rows: int | None
+                  ) -> tuple[bytes, int, int] | None:
+        """``(proposal, token, cache id)`` of a one-round attempt at the cached ``name``
+        with ``nbytes`` riding along, or None where it does not qualify (a new or changed
+        name, a payload too large, rows or names past what a token tells apart). The
+        token is ``names << 40 | id << 20 | rows`` (names > id >= 0: never zero)."""
+        names = self.names
+        cached = names.entries.get(name)
+        salt = 0 if rows is None else rows
+        if cached is None or cached[1] != desc or not 0 <= salt < 1 << 20:
+            return None  # new or changed: negotiated in full first
+        cache_id, count = cached[0], len(names.by_id)
+        if count >= _MAX_NAMES:
+            return None
+        if rows is None:
+            head = (count << 32) | cache_id
+            known = self._heads.get(head)
+            blob, room = known if known is not None else self._head(head, cache_id)
+        else:  # (json of one entry: a few microseconds, as a general round pays)
+            blob = encode(np.zeros(count, bool), [[name, desc, rows]], FAST)
+            room = self.transport.one_round_room(len(blob))
+        if nbytes > room:
+            return None
+        return blob, (count << 40) | (cache_id << 20) | salt, cache_id
 
     def _head(self, token: int, cache_id: int) -> tuple[bytes, int]:
         """The proposal of exactly the cached name ``cache_id`` with a payload riding along

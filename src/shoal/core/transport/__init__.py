@@ -67,6 +67,7 @@ class Transport:
         self.shm = shm
         self._local_ranks = world.local_ranks
         self.algorithm = "local"
+        self._cross_round: Any = None  # the one-round primitive across hosts (_cross)
 
     # -- control ---------------------------------------------------------------------------
     def gather_all(self, blob: bytes, what: str) -> list[bytes]:
@@ -77,20 +78,25 @@ class Transport:
         """
         if self.size == 1:
             return [blob]
+        if self.shm is not None and self.world.homogeneous:
+            return self.gather_hosts(self.shm.allgather_bytes(blob, what), what)
+        return self._tcp_gather(range(self.size), blob, what)
+
+    def gather_hosts(self, local: Sequence[bytes], what: str) -> list[bytes]:
+        """Every rank's blob, indexed by global rank, from this host's ``local`` blobs (in
+        local order, the same on every local rank): swapped with this local index's peers
+        on the other hosts (homogeneous worlds)."""
         w = self.world
         out: list[bytes] = [b""] * self.size
-        if self.shm is not None and w.homogeneous:
-            local = self.shm.allgather_bytes(blob, what)
-            if w.cross_size == 1:
-                for r, b in zip(self._local_ranks, local, strict=True):
-                    out[r] = b
-                return out
-            nodes = self._tcp_gather(w.cross_peers, pack_blobs(local), what)
-            for node, data in enumerate(nodes):
-                for r, b in zip(w.node_ranks(node), unpack_blobs(data), strict=True):
-                    out[r] = b
+        if w.cross_size == 1:
+            for r, b in zip(self._local_ranks, local, strict=True):
+                out[r] = b
             return out
-        return self._tcp_gather(range(self.size), blob, what)
+        nodes = self._tcp_gather(w.cross_peers, pack_blobs(local), what)
+        for node, data in enumerate(nodes):
+            for r, b in zip(w.node_ranks(node), unpack_blobs(data), strict=True):
+                out[r] = b
+        return out
 
     def _tcp_gather(self, group: Sequence[int], blob: bytes, what: str) -> list[bytes]:
         """Allgather byte strings among ``group`` over TCP: each length travels with the
@@ -194,7 +200,7 @@ class Transport:
         return self.shm.slot_bytes - self.shm.payload_offset(head_bytes)
 
     def _cross(self) -> Any:
-        if getattr(self, "_cross_round", None) is None:
+        if self._cross_round is None:  # (made on first use: one-host jobs never need it)
             from .cross_round import CrossRound
             self._cross_round = CrossRound(self)
         return self._cross_round

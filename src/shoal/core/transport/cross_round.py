@@ -36,19 +36,12 @@ class CrossRound:
         self.t = transport
         w = transport.world
         self.shm = transport.shm if w.homogeneous else None
-        if self.shm is not None:
-            self.group: Sequence[int] = [w.node_ranks(node)[self.shm.me]
-                                         for node in range(w.cross_size)]
-        else:
-            self.group = range(transport.size)  # every rank its own host
+        # (without shared memory every rank is a host of its own: the same as gather_all)
+        self.group: Sequence[int] = w.cross_peers if self.shm is not None else \
+            range(transport.size)
         self.me = list(self.group).index(transport.rank)
         self.peers = [p for p in self.group if p != transport.rank]
         self._blobs: list[bytes] = []
-
-    def limit(self, stripe_bytes: int) -> int:
-        """The largest payload whose frame stays on one TCP stripe (:func:`stripe_plan`
-        stripes a message of two stripes or more)."""
-        return 2 * stripe_bytes - 64
 
     def __call__(self, blob: bytes, token: int, payload: np.ndarray, what: str,
                  partial: Callable[[list[np.ndarray]], np.ndarray]) -> list[np.ndarray] | None:
@@ -75,25 +68,12 @@ class CrossRound:
         mesh.exchange([], [(p, memoryview(b)) for p, b in bodies.items() if b.nbytes],
                       what=what, control=True)
         if agreed and all(int(h[0]) == token for h in heads.values()):
-            parts = [mine if p == self.t.rank else bodies[p].view(payload.dtype)
-                     for p in self.group]
-            return parts
-        self._blobs = self._gather(blob, what)
+            return [mine if p == self.t.rank else bodies[p].view(payload.dtype)
+                    for p in self.group]
+        # every rank's proposal of the round just run, by rank, as a general round sees it
+        self._blobs = self.t.gather_all(blob, what) if shm is None else \
+            self.t.gather_hosts(shm.round_blobs(blob, what), what)
         return None
-
-    def _gather(self, blob: bytes, what: str) -> list[bytes]:
-        """Every rank's proposal of the round just run, by rank (the general round's view)."""
-        from . import pack_blobs, unpack_blobs
-        t, w = self.t, self.t.world
-        if self.shm is None:
-            return t._tcp_gather(range(t.size), blob, what)
-        local = self.shm.round_blobs(blob, what)
-        out: list[bytes] = [b""] * t.size
-        nodes = t._tcp_gather(self.group, pack_blobs(local), what)
-        for node, data in enumerate(nodes):
-            for r, b in zip(w.node_ranks(node), unpack_blobs(data), strict=True):
-                out[r] = b
-        return out
 
     def blobs(self) -> list[bytes]:
         """Every rank's proposal of the last round that did not agree, by rank."""
