@@ -19,7 +19,9 @@ from typing import Any
 import numpy as np
 
 from ..config import Config
+from ..errors import ShoalError
 from ..topology import World
+from .cross_round import CrossRound, FrameSwap
 from .shm import ShmGroup
 from .tcp import TcpMesh
 
@@ -27,7 +29,6 @@ __all__ = ["Transport", "pack_blobs", "unpack_blobs"]
 
 log = logging.getLogger("shoal.transport")
 _LEN = struct.Struct("!q")
-_HEAD = 240  # bytes of a string that cross with its length (a frame of 248)
 
 
 def _u8(a: np.ndarray) -> memoryview:
@@ -41,10 +42,14 @@ def pack_blobs(blobs: Sequence[bytes]) -> bytes:
 
 
 def unpack_blobs(data: bytes) -> list[bytes]:
-    """Inverse of :func:`pack_blobs`."""
-    (count,) = _LEN.unpack_from(data)
-    lengths = struct.unpack_from(f"!{count}q", data, _LEN.size)
+    """Inverse of :func:`pack_blobs`; a ``data`` that is not one is a :class:`ShoalError`."""
+    (count,) = _LEN.unpack_from(data) if len(data) >= _LEN.size else (-1,)
     pos = _LEN.size * (count + 1)
+    if count < 0 or pos > len(data):
+        raise ShoalError(f"packed proposals of {len(data)} bytes claim {count} entries")
+    lengths = struct.unpack_from(f"!{count}q", data, _LEN.size)
+    if min(lengths, default=0) < 0 or pos + sum(lengths) != len(data):
+        raise ShoalError(f"packed proposals of {len(data)} bytes claim entries of {lengths}")
     out = []
     for n in lengths:
         out.append(data[pos:pos + n])
@@ -68,59 +73,67 @@ class Transport:
         self._local_ranks = world.local_ranks
         self.algorithm = "local"
         self._cross_round: Any = None  # the one-round primitive across hosts (_cross)
+        self._frames: FrameSwap | None = None  # the negotiation frames across hosts
 
     # -- control ---------------------------------------------------------------------------
     def gather_all(self, blob: bytes, what: str) -> list[bytes]:
         """Every rank's ``blob``, indexed by global rank.
 
         On a host this is one shared-memory round; across hosts each local rank then swaps
-        its host's blobs with its peers on the other hosts (all local ranks at once).
+        its host's blobs with its peers on the other hosts (all local ranks at once), in the
+        frames the one-round path also sends (:mod:`.cross_round`).
         """
         if self.size == 1:
             return [blob]
-        if self.shm is not None and self.world.homogeneous:
+        if self._host_frames:
             return self.gather_hosts(self.shm.allgather_bytes(blob, what), what)
-        return self._tcp_gather(range(self.size), blob, what)
+        return self.frames().gather(blob, what)
 
     def gather_hosts(self, local: Sequence[bytes], what: str) -> list[bytes]:
         """Every rank's blob, indexed by global rank, from this host's ``local`` blobs (in
         local order, the same on every local rank): swapped with this local index's peers
         on the other hosts (homogeneous worlds)."""
-        w = self.world
-        out: list[bytes] = [b""] * self.size
-        if w.cross_size == 1:
+        if self.world.cross_size == 1:
+            out: list[bytes] = [b""] * self.size
             for r, b in zip(self._local_ranks, local, strict=True):
                 out[r] = b
             return out
-        nodes = self._tcp_gather(w.cross_peers, pack_blobs(local), what)
-        for node, data in enumerate(nodes):
-            for r, b in zip(w.node_ranks(node), unpack_blobs(data), strict=True):
+        return self.unpack_hosts(self.frames().gather(self.pack_host(local), what))
+
+    @property
+    def _host_frames(self) -> bool:
+        """Whether a frame across hosts carries a whole host's blobs (shared memory
+        gathered them first), not one rank's."""
+        return self.shm is not None and self.world.homogeneous
+
+    def frames(self) -> FrameSwap:
+        """The negotiation frames of this rank's group across hosts: the ranks of its local
+        index (one a host) where hosts gather through shared memory first, else every
+        rank."""
+        if self._frames is None:
+            group = self.world.cross_peers if self._host_frames else range(self.size)
+            self._frames = FrameSwap(self.mesh, self.rank, group,
+                                     self.cfg.small_message_bytes)
+        return self._frames
+
+    def pack_host(self, local: Sequence[bytes]) -> bytes:
+        """A frame's body of this host's blobs (in local order)."""
+        return pack_blobs(local) if self._host_frames else local[0]
+
+    def unpack_hosts(self, bodies: Sequence[bytes]) -> list[bytes]:
+        """Every rank's blob, by rank, from the bodies of :meth:`frames`' group members."""
+        if not self._host_frames:
+            return list(bodies)
+        out: list[bytes] = [b""] * self.size
+        for node, data in enumerate(bodies):
+            ranks = self.world.node_ranks(node)
+            blobs = unpack_blobs(data)
+            if len(blobs) != len(ranks):
+                raise ShoalError(f"rank {self.rank}: host {node} sent {len(blobs)} proposals "
+                                 f"for its {len(ranks)} ranks")
+            for r, b in zip(ranks, blobs, strict=True):
                 out[r] = b
         return out
-
-    def _tcp_gather(self, group: Sequence[int], blob: bytes, what: str) -> list[bytes]:
-        """Allgather byte strings among ``group`` over TCP: each length travels with the
-        first :data:`_HEAD` bytes in a fixed frame, so a negotiation round's proposal (a
-        few bytes) crosses in one exchange, one round trip; longer strings send the rest in
-        a second."""
-        peers = [p for p in group if p != self.rank]
-        frame = bytearray(_LEN.size + _HEAD)
-        _LEN.pack_into(frame, 0, len(blob))
-        head = blob[:_HEAD]
-        frame[_LEN.size:_LEN.size + len(head)] = head
-        got = {p: bytearray(_LEN.size + _HEAD) for p in peers}
-        self.mesh.exchange([(p, memoryview(frame)) for p in peers],
-                           [(p, memoryview(got[p])) for p in peers], what=what, control=True)
-        lens = {p: _LEN.unpack_from(got[p])[0] for p in peers}
-        tails = {p: bytearray(n - _HEAD) for p, n in lens.items() if n > _HEAD}
-        if tails or len(blob) > _HEAD:
-            rest = memoryview(blob)[_HEAD:]
-            self.mesh.exchange([(p, rest) for p in peers] if rest.nbytes else [],
-                               [(p, memoryview(t)) for p, t in tails.items()], what=what,
-                               control=True)
-        return [blob if p == self.rank else
-                bytes(got[p][_LEN.size:_LEN.size + min(lens[p], _HEAD)]) + bytes(tails.get(p, b""))
-                for p in group]
 
     # -- point to point and the host stage (the algorithms' primitives) -------------------
     @property
@@ -201,7 +214,6 @@ class Transport:
 
     def _cross(self) -> Any:
         if self._cross_round is None:  # (made on first use: one-host jobs never need it)
-            from .cross_round import CrossRound
             self._cross_round = CrossRound(self)
         return self._cross_round
 

@@ -221,16 +221,20 @@ class TcpMesh:
 
         ``on_recv(index, done_bytes, total)`` is called as the contiguous prefix of
         ``recvs[index]`` grows, so a reduction can work on the first part while the rest is
-        still on the wire. ``control`` counts the bytes as control traffic (negotiation).
+        still on the wire. ``control`` counts the bytes as control traffic (negotiation)
+        and keeps them to the peer's first stream.
         """
         out: dict[socket.socket, deque] = {}
         inc: dict[socket.socket, deque] = {}
+        # control frames keep to the first stream: a frame's head and body may be sent as
+        # one buffer and read as two, which only one stream keeps in order
         for peer, view in sends:
             view = view.cast("B")
             if not view.nbytes:
                 continue
             socks = self._sock(peer)
-            for stream, lo, hi in stripe_plan(view.nbytes, len(socks), self.stripe_bytes):
+            plan = stripe_plan(view.nbytes, 1 if control else len(socks), self.stripe_bytes)
+            for stream, lo, hi in plan:
                 out.setdefault(socks[stream], deque()).append([view[lo:hi], 0])
             (self.control_sent if control else self.sent)[peer] += view.nbytes
         for i, (peer, view) in enumerate(recvs):
@@ -238,7 +242,7 @@ class TcpMesh:
             if not view.nbytes:
                 continue
             socks = self._sock(peer)
-            plan = stripe_plan(view.nbytes, len(socks), self.stripe_bytes)
+            plan = stripe_plan(view.nbytes, 1 if control else len(socks), self.stripe_bytes)
             track = _Recv(i, view.nbytes, plan)
             for k, (stream, lo, hi) in enumerate(plan):
                 inc.setdefault(socks[stream], deque()).append([view[lo:hi], 0, track, k])
