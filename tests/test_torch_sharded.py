@@ -170,10 +170,10 @@ def _accumulated(rank: int, passes: int) -> dict:
                 x, y = _batch(rank, 10 * step + micro)
                 torch.nn.functional.mse_loss(model(x), y).backward()
             if opt is sharded:
-                # ZeRO-2: no parameter keeps autograd's gradient, only the buckets hold them
-                assert all(p.grad is None for p in model.parameters())
-                opt.synchronize()
-                assert all(s.grad is None for s in opt._shards)  # dropped as each finished
+                # ZeRO-2: backward returns with this rank's reduced shard only (autograd's
+                # gradients released, each flat gradient dropped as its reduction finished)
+                assert all(s.grad is None for s in opt._shards)
+                opt.synchronize()  # (nothing left to wait for)
                 held.append(sum(p.grad.numel() for p in model.parameters()
                                 if p.grad is not None))
             opt.step()
@@ -239,3 +239,53 @@ def _app_wrap(rank: int) -> int:
 
 def test_the_application_shards_with_accumulation() -> None:
     assert run_ranks(_app_wrap, 2, timeout=60) == [2, 2]
+
+
+def _small_model(rank: int, scaled: bool) -> dict:
+    """Linear(4, 2) at 3 ranks: two parameters, so one rank owns nothing. It joins every
+    collective; with a GradScaler (the stock recipe) it skips the step an overflow on
+    another rank's shard makes every rank skip."""
+    import shoal.torch as hvd
+    torch.manual_seed(1)
+    model = torch.nn.Linear(4, 2)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), sharded=True)
+    owned = sum(p.numel() for g in opt._inner.param_groups for p in g["params"])
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=1,
+                                  enabled=scaled)
+    gen = torch.Generator().manual_seed(2)
+    scales = []
+    for step in range(4):
+        x = torch.randn(3 * hvd.size(), 4, generator=gen)
+        opt.zero_grad()
+        loss = model(x[rank * 3:(rank + 1) * 3]).pow(2).mean()
+        if scaled and step == 2 and rank == 0:  # only rank 0's gradients overflow
+            loss = loss + float("inf") * model.weight.sum()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return {"owned": owned, "scales": scales,
+            "params": [p.detach().reshape(-1).tolist() for p in model.parameters()]}
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+def test_a_rank_that_owns_nothing_joins_every_collective(scaled: bool) -> None:
+    results = run_ranks(_small_model, 3, scaled, timeout=120)
+    assert sorted(r["owned"] for r in results)[0] == 0, results  # one rank owns nothing
+    torch.manual_seed(1)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(2)
+    for step in range(4):
+        x = torch.randn(9, 4, generator=gen)
+        if scaled and step == 2:
+            continue  # the step every rank skipped
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()  # (equal parts: the mean of the ranks' means)
+        opt.step()
+    for r in results:
+        assert r["params"] == results[0]["params"] and r["scales"] == results[0]["scales"]
+        for got, ref in zip(r["params"], model.parameters(), strict=True):
+            torch.testing.assert_close(torch.tensor(got), ref.detach().reshape(-1),
+                                       rtol=1e-6, atol=1e-6)

@@ -292,7 +292,8 @@ class ShoalProcessGroup(dist.ProcessGroup):
                 got_vals = result_tensor(handles[2 * i + 1].wait(0), vals, bf16)
                 total = torch.sparse_coo_tensor(got_idx.t(), got_vals * scale,
                                                 tensor.size()).coalesce()
-                tensor.copy_(total)
+                with torch.no_grad():  # (a sparse tensor's .data does not share it)
+                    tensor.copy_(total)
             return list(tensors)
         return self._work(call, handles, finish, tensors)
 
@@ -591,16 +592,16 @@ def _packed(tensors: Sequence[torch.Tensor]
     ``ready`` that fills it: the engine thread calls it before it reads the buffer, so the
     caller neither waits for a device copy nor copies the bytes itself."""
     parts = [stage_bytes(t) for t in tensors]
-    splits = [raw.nbytes for _, raw in parts]
+    splits = [b.nbytes for _, b in parts]
     data = np.empty(sum(splits), np.uint8)
 
     def ready() -> None:
         at = 0
-        for st, raw in parts:
+        for st, b in parts:
             if st.ready is not None:
                 st.ready()
-            data[at:at + raw.nbytes] = raw
-            at += raw.nbytes
+            data[at:at + b.nbytes] = b
+            at += b.nbytes
     return data, splits, ready
 
 

@@ -159,6 +159,12 @@ class Buckets:
         return len(self._buckets)
 
     @property
+    def on_device(self) -> bool:
+        """Whether gradients go through the device stage (waits must not drive rounds on
+        autograd's thread)."""
+        return self._staged_on_device or self._group is not None
+
+    @property
     def in_flight(self) -> int:
         """How many buckets have been submitted and not yet waited for."""
         return sum(b.handle is not None for b in self._buckets)
@@ -234,10 +240,12 @@ class Buckets:
                                               fused=True)
         b.staged = s
 
-    def finish(self) -> None:
+    def finish(self, drive: bool | None = None) -> None:
         """Submit what backward left incomplete, wait for every bucket and point each
         ``.grad`` at its reduced slice. A parameter backward did not reach this step is
-        reduced with the gradient it holds, or zeros if it has none (Horovod's rule)."""
+        reduced with the gradient it holds, or zeros if it has none (Horovod's rule).
+        ``drive=False``: wait without running the engine's rounds on this thread (autograd's
+        own, at the end of a backward that staged device tensors)."""
         for b in self._buckets:
             if b.handle is None:
                 for j, p in enumerate(b.params):
@@ -259,7 +267,7 @@ class Buckets:
         for b in self._buckets:
             assert b.handle is not None and b.staged is not None
             try:
-                b.handle.wait()
+                b.handle.wait(drive=drive)
             except BaseException as exc:  # wait for the rest, then raise the first failure
                 error = error or exc
                 continue

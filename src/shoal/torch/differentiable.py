@@ -62,7 +62,8 @@ def _rows_before(dims: torch.Tensor, rank: int) -> int:
 class _Allgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, name, process_set):
-        ctx.dim, ctx.process_set = tensor.shape[0], process_set
+        # (a scalar is refused by the allgather itself, with the fix)
+        ctx.dim, ctx.process_set = tensor.shape[0] if tensor.dim() else 0, process_set
         return collectives.allgather_async(tensor, name, process_set).wait()
 
     @staticmethod

@@ -12,19 +12,23 @@ with the gradient they hold, zeros if they hold none, as Horovod does: every ran
 the same set, or the ranks that did compute it would wait forever. Frozen parameters
 (``requires_grad=False``) are never touched.
 
-Mixed precision with ``torch.amp.GradScaler``, as Horovod documents it::
+The backward pass that completes a step (the k-th with ``backward_passes_per_step=k``)
+returns with its gradients reduced, as DDP's does: at its end (an autograd callback) the
+buckets backward left incomplete are submitted and every reduction is waited for, so code
+between ``backward()`` and ``step()`` sees the averaged gradients. The stock recipes work
+as torch documents them::
 
-    scaler.scale(loss).backward()
-    optimizer.synchronize()                 # the reduced gradients, still scaled
-    scaler.unscale_(optimizer)              # sees an overflow on any rank (it is in the sum)
+    scaler.scale(loss).backward()           # returns with the reduced, scaled gradients
+    scaler.unscale_(optimizer)              # every rank unscales the same bits
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    with optimizer.skip_synchronize():
-        scaler.step(optimizer)              # skipped on every rank alike
+    scaler.step(optimizer)                  # skipped on every rank alike
     scaler.update()                         # the same scale everywhere
 
-Unscaling before ``synchronize()`` would check each rank's own gradients, so ranks could
-disagree on skipping a step. ``compression=Compression.fp16`` sends fp32 and fp16 gradients
-as fp16 and sums them in fp32.
+Horovod's recipe (``optimizer.synchronize()`` after backward, then ``with
+optimizer.skip_synchronize(): optimizer.step()``) works too and reduces nothing twice. Only
+the time between backward's end and ``step()`` is no longer overlapped; backward itself
+overlaps as before. ``compression=Compression.fp16`` sends fp32 and fp16 gradients as fp16
+and sums them in fp32.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import collections
 import contextlib
 import os
 import warnings
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -180,7 +185,10 @@ class DistributedOptimizer(Wrapper):
         self._names = self._name_parameters(named_parameters)
         self._parameter_names = self._names  # Horovod's attribute
         self._counts: dict[torch.nn.Parameter, int] = {}
-        self._synchronized = False
+        self._synchronized = False  # the user called synchronize() since the last step
+        self._reduced = False  # this step's gradients are reduced (nothing in flight)
+        self._end_queued = False  # this backward's end reduces what is left
+        self._left: dict[torch.nn.Parameter, weakref.ref] = {}
         self._skip = False
         self._hooks = []
         self._setup = (bucket_bytes, compression, gradient_predivide_factor)
@@ -259,12 +267,24 @@ class DistributedOptimizer(Wrapper):
         if not self._counts:
             if self._bound_to is not default_communicator():
                 self._bind(check=False)  # shoal re-initialised since the last step: rebind
-            self._synchronized = False  # a new backward (after a step GradScaler skipped)
+            elif self._reduced and (left := self._left.get(p)) is not None and \
+                    left() is p.grad:
+                # the reduced gradient this backward accumulated into was never stepped
+                # with nor cleared (a step GradScaler skipped is followed by zero_grad())
+                raise RuntimeError(
+                    f"gradient of {self._names[p]} was computed again before step(), on top "
+                    f"of the reduced one; call optimizer.step() (or optimizer.zero_grad()) "
+                    f"between backward passes, or raise backward_passes_per_step to "
+                    f"accumulate gradients")
+            self._synchronized = self._reduced = False  # a new step's backward
         count = self._counts.get(p, 0) + 1
         self._counts[p] = count
         if count == self._passes:
             if self._buckets is not None:
                 self._buckets.arrived(p)
+            if not self._end_queued:  # this backward completes the step
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+                self._end_queued = True
         elif count > self._passes:
             if self._bound_to is not default_communicator():  # a step cut short by a lost
                 self._counts.clear()                          # peer, then a re-init
@@ -286,14 +306,31 @@ class DistributedOptimizer(Wrapper):
         self._passes = self.backward_passes_per_step = passes
         self._counts.clear()
 
-    def synchronize(self) -> None:
-        """Wait for every gradient's reduction (parameters backward gave no gradient are
-        reduced with the gradient they hold, or zeros, so every rank reduces the same set)."""
+    def _end_of_backward(self) -> None:
+        """The backward that completes a step ends (autograd's callback): reduce what is
+        left and wait, so it returns with the step's gradients reduced."""
+        self._end_queued = False
+        self._reduce(drive=None if self._buckets is None or not self._buckets.on_device
+                     else False)
+
+    def _reduce(self, drive: bool | None = None) -> None:
         try:
             if self._buckets is not None:
-                self._buckets.finish()
+                self._buckets.finish(drive)
         finally:
             self._counts.clear()
+            self._end_queued = False  # (a backward that raised never ran its callback)
+        self._reduced = True
+        # the gradients as reduced: a backward into them before step() or zero_grad() is
+        # refused (weak: a cleared gradient is not kept alive)
+        self._left = {p: weakref.ref(p.grad) for p in self._names if p.grad is not None}
+
+    def synchronize(self) -> None:
+        """Wait for every gradient's reduction (parameters backward gave no gradient are
+        reduced with the gradient they hold, or zeros, so every rank reduces the same set).
+        After a backward that completed the step there is nothing left to wait for."""
+        if not self._reduced:
+            self._reduce()
         self._synchronized = True
 
     @contextlib.contextmanager
@@ -312,9 +349,10 @@ class DistributedOptimizer(Wrapper):
                           "context after optimizer.synchronize(): the gradients are reduced "
                           "again. Use `with optimizer.skip_synchronize(): optimizer.step()` "
                           "after synchronize() (e.g. for gradient clipping).", stacklevel=2)
-        if not (self._skip and self._synchronized):
-            self.synchronize()
-        self._synchronized = False
+            self._reduced = False  # Horovod's rule: reduced again, as it warned
+        if not self._reduced:
+            self._reduce()
+        self._synchronized = self._reduced = False
         return self._inner.step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -325,6 +363,7 @@ class DistributedOptimizer(Wrapper):
                                f"{in_flight} gradient buckets in flight; call "
                                f"step() or synchronize() first")
         self._inner.zero_grad(set_to_none=set_to_none)
+        self._reduced = False
 
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state dict."""

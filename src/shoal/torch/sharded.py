@@ -190,7 +190,10 @@ class ShardedOptimizer(Wrapper):
             if p in optimizer.state:
                 self._inner.state[p] = optimizer.state[p]
         optimizer.state = collections.defaultdict(dict)  # the shards hold it now
-        self._synchronized = False
+        self._synchronized = False  # this step's gradients are reduced
+        self._end_queued = False  # this backward's end reduces what is left
+        self._left: dict[torch.nn.Parameter, weakref.ref] = {}  # the reduced gradients
+        self._owns_any = any(s.owned for s in self._shards)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in trained]
         if overlap_param_gather:
             self._watch_forwards()
@@ -202,6 +205,8 @@ class ShardedOptimizer(Wrapper):
     def _on_grad(self, p: torch.nn.Parameter) -> None:
         shard, j = self._where[p]
         passes = self.backward_passes_per_step
+        if self._synchronized:  # a backward after the last one's reduction, no step between
+            self._new_step(p)
         if j in shard.marks:
             raise RuntimeError(f"gradient of {self._names[p]} was computed again before "
                                f"step(); call step() (or synchronize()) after every "
@@ -219,6 +224,29 @@ class ShardedOptimizer(Wrapper):
             shard.marks.add(j)
             if len(shard.marks) == len(shard.params):
                 self._reduce(shard)
+            if not self._end_queued:  # this backward completes the step
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+                self._end_queued = True
+
+    def _new_step(self, p: torch.nn.Parameter) -> None:
+        """A backward began after the last one's gradients were reduced, with no step
+        between: a new step where they were cleared (``zero_grad``, or set to None after a
+        step GradScaler skipped), refused where this backward would add to them."""
+        for q, left in self._left.items():
+            if left() is q.grad is not None:
+                raise RuntimeError(
+                    f"gradient of {self._names[p]} was computed again before step(), on top "
+                    f"of the reduced ones; call optimizer.step() (or optimizer.zero_grad()) "
+                    f"between backward passes, or raise backward_passes_per_step to "
+                    f"accumulate gradients")
+        self._synchronized = False
+        self._left = {}
+
+    def _end_of_backward(self) -> None:
+        """The backward that completes a step ends (autograd's callback): it returns with
+        this rank's reduced gradients, the overflow seen by every rank, as DDP's does."""
+        self._end_queued = False
+        self._synchronize(share_overflow=True)
 
     def _reduce(self, shard: _Shard) -> None:
         src = shard.source = stage(shard.grad, reuse=shard.source)
@@ -234,8 +262,10 @@ class ShardedOptimizer(Wrapper):
         """Wait for every bucket's reduce-scatter (a parameter backward did not reach is
         reduced with the gradient it holds, or zeros); then this rank's parameters hold
         their reduced gradients and the others none, and a non-finite gradient on any
-        rank's shard is seen by every rank (for ``GradScaler``: see ``_share_overflow``)."""
-        self._synchronize(share_overflow=True)
+        rank's shard is seen by every rank (for ``GradScaler``: see ``_share_overflow``).
+        After a backward that completed the step there is nothing left to wait for."""
+        if not self._synchronized:
+            self._synchronize(share_overflow=True)
 
     def _synchronize(self, share_overflow: bool) -> None:
         self.wait_params()
@@ -263,8 +293,7 @@ class ShardedOptimizer(Wrapper):
                 shard.release()
         if error is not None:
             raise error
-        if share_overflow:
-            self._share_overflow()
+        flag = self._share_overflow() if share_overflow else None
         for shard in self._shards:
             for j, p in enumerate(shard.params):
                 if j in shard.owned:
@@ -272,9 +301,19 @@ class ShardedOptimizer(Wrapper):
                     p.grad = shard.reduced[offset:offset + p.numel()].view(p.shape)
                 else:
                     p.grad = None
+        if flag is not None and not self._owns_any:
+            # nothing of the model is this rank's: one parameter holds a zero gradient with
+            # the overflow (NaN where any rank's sum was not finite), so that GradScaler has
+            # a gradient to check here and skips the step on this rank as on the others
+            first = self._shards[0].params[0]
+            stand_in = torch.zeros_like(first)
+            stand_in.view(-1)[:1] = flag.to(first.dtype)
+            first.grad = stand_in
         self._synchronized = True
+        self._left = {p: weakref.ref(p.grad) for s in self._shards for j, p in
+                      enumerate(s.params) if j in s.owned}
 
-    def _share_overflow(self) -> None:
+    def _share_overflow(self) -> torch.Tensor | None:
         """Make a non-finite reduced gradient seen by every rank, not only its shard's
         owner, so that each rank's ``GradScaler`` skips the same steps and keeps the same
         scale (the scaler checks only the gradients its optimizer holds). Every rank
@@ -284,22 +323,23 @@ class ShardedOptimizer(Wrapper):
         shard's first value becomes NaN. Device operations only: the count travels through
         the device stage, no host wait.
 
-        A GradScaler can only be used with an explicit ``synchronize()`` before its
-        ``unscale_`` (before it, no rank holds a gradient), so ``step()`` without one skips
-        this: without a scaler a non-finite value reaches every rank through the allgather
-        of the parameters it corrupts."""
+        Done at the end of the backward that completes a step (a GradScaler's
+        ``unscale_`` follows it) and by ``synchronize()``; ``step()`` after a
+        ``synchronize()`` of its own skips it: without a scaler a non-finite value reaches
+        every rank through the allgather of the parameters it corrupts."""
         owned = [s.reduced for s in self._shards if s.reduced.numel()]
-        if not owned:
-            return
-        device = owned[0].device
+        if not self._shards:
+            return None
+        device = self._shards[0].flat.device
         bad = torch.zeros(1, dtype=torch.float32, device=device)
-        for reduced in owned:
+        for reduced in owned:  # (a rank that owns nothing still joins with 0)
             bad += (~torch.isfinite(reduced.sum())).to(device=device, dtype=torch.float32)
         flag = stage(bad)
         reduce_now(self._comm, flag, ReduceOp.SUM, f"{self._name}.overflow")
         poison = torch.where(flag.finish() > 0, float("nan"), 0.0)
         for reduced in owned:
             reduced[:1].add_(poison.to(reduced.dtype))
+        return poison
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
@@ -342,7 +382,7 @@ class ShardedOptimizer(Wrapper):
         self.wait_params()  # the last step's gather reads the shard this step writes
         if not self._synchronized:
             self._synchronize(share_overflow=False)
-        self._synchronized = False
+        self._synchronized, self._left = False, {}
         for inner, full in zip(self._inner.param_groups, self._full.param_groups,
                                strict=True):
             for key, value in full.items():
@@ -424,6 +464,7 @@ class ShardedOptimizer(Wrapper):
                                f"flight; call step() or synchronize() first")
         for shard in self._shards:  # gradients accumulated so far go, as autograd's would
             shard.release()
+        self._synchronized, self._left = False, {}
         for group in self._full.param_groups:
             for p in group["params"]:
                 if set_to_none or p.grad is None:

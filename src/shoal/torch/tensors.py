@@ -20,8 +20,16 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["Staged", "copy_back", "fill_bytes", "numpy_of", "reduce_now", "result_tensor",
-           "set_stand_in", "stage", "staged_on_device", "stand_in"]
+__all__ = ["Staged", "copy_back", "fill_bytes", "numpy_of", "raw", "reduce_now",
+           "result_tensor", "set_stand_in", "stage", "staged_on_device", "stand_in"]
+
+
+def raw(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s memory without autograd, for writing a collective's result: as the c10d
+    backends write a tensor's storage, a parameter that requires grad takes it, and a
+    tensor autograd saved for backward is not marked modified (backward then uses the new
+    values, as it does after gloo's or NCCL's in-place collectives)."""
+    return t.data
 
 
 class Staged:
@@ -46,9 +54,10 @@ class Staged:
 
     def finish(self) -> torch.Tensor:
         """Copy the host result back into the caller's tensor if it was staged; return it."""
-        if self.host is not self.tensor:
-            self.tensor.copy_(self.host)
-        return self.tensor
+        t = self.tensor
+        if self.host is not t and self.host.data_ptr() != t.data_ptr():  # (not an alias)
+            raw(t).copy_(self.host)
+        return t
 
 
 def numpy_of(host: torch.Tensor) -> tuple[np.ndarray, bool]:
@@ -124,6 +133,8 @@ def result_tensor(array: np.ndarray, like: torch.Tensor, bf16: bool) -> torch.Te
         from .device.staging import upload
         return upload(array, like, bf16)
     out = torch.from_numpy(np.ascontiguousarray(array))
+    if not out.numel():  # (numpy's strides of an empty array are not torch's)
+        out = torch.empty(out.shape, dtype=out.dtype)
     return out.view(torch.bfloat16) if bf16 else out
 
 
@@ -134,22 +145,22 @@ def copy_back(host: torch.Tensor, out: torch.Tensor) -> None:
         from .device.streams import lane_for
         lane_for(out.device).upload(host, out)
     else:
-        out.copy_(host.view(out.shape))
+        raw(out).copy_(host.view(out.shape))
 
 
-def fill_bytes(outs: Sequence[torch.Tensor], raw: np.ndarray) -> None:
-    """Copy consecutive byte ranges of ``raw`` into ``outs`` (any device, any layout)."""
+def fill_bytes(outs: Sequence[torch.Tensor], data: np.ndarray) -> None:
+    """Copy consecutive byte ranges of ``data`` into ``outs`` (any device, any layout)."""
     sizes = [o.numel() * o.element_size() for o in outs]
-    if sum(sizes) != raw.nbytes:
-        raise ValueError(f"received {raw.nbytes} bytes for outputs of "
+    if sum(sizes) != data.nbytes:
+        raise ValueError(f"received {data.nbytes} bytes for outputs of "
                          f"{sum(sizes)}; output sizes must match what the other ranks send")
     for out, end, n in zip(outs, np.cumsum(sizes), sizes, strict=True):
         if not n:
             continue
-        data = raw[end - n:end]
+        piece = data[end - n:end]
         if staged_on_device(out):
             from .device.staging import upload_into
-            upload_into(out, data)
+            upload_into(out, piece)
         else:
-            out.copy_(torch.from_numpy(np.ascontiguousarray(data)).view(out.dtype)
-                      .view(out.shape))
+            raw(out).copy_(torch.from_numpy(np.ascontiguousarray(piece)).view(out.dtype)
+                           .view(out.shape))

@@ -85,9 +85,10 @@ class GroupReduction:
         """Whether the cross-host reduction has completed."""
         return self._handle.done()
 
-    def wait(self, timeout: float | None = None) -> Any:
-        """Wait for the shard's cross-host reduction (on the CPUs)."""
-        return self._handle.wait(timeout)
+    def wait(self, timeout: float | None = None, *, drive: bool | None = None) -> Any:
+        """Wait for the shard's cross-host reduction (on the CPUs; ``drive`` as
+        :meth:`Handle.wait`'s)."""
+        return self._handle.wait(timeout, drive=drive)
 
     def order_after_copy(self) -> None:
         """Order the current stream after the shard's copy to the host."""

@@ -103,7 +103,7 @@ def upload_into(out: torch.Tensor, raw: np.ndarray) -> None:
         out, memory_format=torch.contiguous_format)
     lane_for(out.device).upload(host.view(out.shape), target)
     if target is not out:
-        out.copy_(target)
+        out.data.copy_(target)  # (its storage: see tensors.raw)
 
 
 def consumer_context(devices: Any) -> Any:

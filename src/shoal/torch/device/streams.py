@@ -133,7 +133,7 @@ class HostLane(Lane):
         return Download(None, lambda: dst.copy_(src.reshape(dst.shape)))
 
     def upload(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        dst.copy_(src.reshape(dst.shape))
+        dst.data.copy_(src.reshape(dst.shape))  # (its storage: see tensors.raw)
 
 
 class CudaLane(Lane):
@@ -163,8 +163,8 @@ class CudaLane(Lane):
         consumer = torch.cuda.current_stream(self.device)
         if consumer != self.copy_stream:  # dst may still be read by queued consumer work
             self.order_after_producer()
-        with torch.cuda.stream(self.copy_stream):
-            dst.copy_(src.reshape(dst.shape), non_blocking=True)
+        with torch.cuda.stream(self.copy_stream):  # (dst's storage: see tensors.raw)
+            dst.data.copy_(src.reshape(dst.shape), non_blocking=True)
             returned = torch.cuda.Event()
             returned.record(self.copy_stream)
         dst.record_stream(self.copy_stream)
