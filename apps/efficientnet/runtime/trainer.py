@@ -191,11 +191,8 @@ def _apply(tr: Trainer) -> None:
     if scaler is None and not clip:
         opt.step()
         return
-    # Horovod's recipe: finish the allreduce, touch the averaged gradients, then step
-    # without reducing again
-    synced = hasattr(opt, "synchronize")
-    if synced:
-        opt.synchronize()
+    # torch's stock recipe: backward returned with the averaged gradients (shoal's optimizers
+    # and DDP alike)
     if scaler is not None:
         scaler.unscale_(opt)
     if clip:
@@ -203,12 +200,10 @@ def _apply(tr: Trainer) -> None:
             opt.clip_grad_norm_(clip)
         else:
             torch.nn.utils.clip_grad_norm_(unwrap(tr.model).parameters(), clip)
-    with opt.skip_synchronize() if synced else contextlib.nullcontext():
-        if scaler is None:
-            opt.step()
-        else:
-            scaler.step(opt)
-    if scaler is not None:
+    if scaler is None:
+        opt.step()
+    else:
+        scaler.step(opt)
         scaler.update()
 
 

@@ -4,8 +4,8 @@ Every parameter that requires a gradient gets a post-accumulate-grad hook. When 
 final for the step (after ``backward_passes_per_step`` backward passes), the hook puts it in its
 bucket (:mod:`shoal.torch.buckets`: flat buffers of about ``bucket_bytes``, in the order
 backward produces gradients); a full bucket goes to the engine at once, so its reduction runs
-while backward is still computing earlier layers. ``step()`` waits only for what is still in
-flight, then runs the wrapped optimizer.
+while backward is still computing earlier layers; backward's end waits for what is still in
+flight (below), and ``step()`` runs the wrapped optimizer.
 
 Parameters that got no gradient in a step (unused branches) are reduced at ``synchronize()``
 with the gradient they hold, zeros if they hold none, as Horovod does: every rank must reduce
