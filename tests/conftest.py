@@ -7,6 +7,7 @@ import secrets
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -68,3 +69,28 @@ def _reset_ray_token_cache() -> None:
     except ImportError:  # a Ray without token authentication
         return
     AuthenticationTokenLoader.instance().reset_cache()
+
+
+# -- the suite's time budget ---------------------------------------------------------------------
+#: pytest's own time the whole suite may take: 30 minutes on a developer's machine (it takes
+#: about 20 here), 60 where CI=true (CI's machine runs it about 2x slower); past it the run
+#: fails, so the budget is kept by the change that breaks it
+BUDGET_S = float(os.environ.get("PYTEST_BUDGET_S")  # (its own test sets it)
+                 or (3600.0 if os.environ.get("CI") == "true" else 1800.0))
+_started = time.monotonic()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    elapsed = time.monotonic() - _started
+    terminalreporter.write_line(f"pytest's time: {elapsed / 60:.1f} min (budget "
+                                f"{BUDGET_S / 60:.0f} min)")
+    if elapsed > BUDGET_S:
+        terminalreporter.write_line(
+            f"FAILED: the suite took {elapsed / 60:.1f} min, past its budget of "
+            f"{BUDGET_S / 60:.0f} min: make the slowest tests above faster (README, Tests)",
+            red=True)
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    if time.monotonic() - _started > BUDGET_S and exitstatus == 0:
+        session.exitstatus = 1

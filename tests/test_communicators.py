@@ -120,7 +120,14 @@ def _cycles(rank: int, cycles: int, serve_port: int | None) -> str:
     return "ok"
 
 
+def test_init_shutdown_50_times_leaves_nothing() -> None:
+    assert run_ranks(_cycles, 3, 50, None, timeout=120) == ["ok"] * 3
+
+
+@pytest.mark.slow
+@pytest.mark.soak
 def test_init_shutdown_200_times_leaves_nothing() -> None:
+    """The soak (``pytest -m soak``; the README's command leaves it out)."""
     assert run_ranks(_cycles, 3, 200, None, timeout=240) == ["ok"] * 3
 
 

@@ -90,9 +90,9 @@ def _frozen_over_tcp(rank: int) -> tuple:
 
 
 def test_tcp_heartbeats_find_a_frozen_peer() -> None:
-    # rank 1 stays frozen and never reports: the harness gives up on it after ``timeout``
+    # rank 1 stays frozen and never reports: killed once rank 0 has (``hung``)
     out = run_ranks(_frozen_over_tcp, 2, heartbeat="tcp", heartbeat_interval_s=0.3,
-                    heartbeat_timeout_s=2.0, timeout=15, expect_errors=True)
+                    heartbeat_timeout_s=2.0, timeout=15, expect_errors=True, hung=[1])
     status, value = out[0]
     assert status == "ok" and value[0] == "lost" and value[1] == 1, out
 

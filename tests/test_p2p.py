@@ -150,9 +150,9 @@ def _receive_from_frozen(rank: int) -> tuple:
 
 
 def test_receive_from_a_frozen_peer_is_peer_lost() -> None:
-    # rank 1 stays frozen and never reports: the harness gives up on it after ``timeout``
+    # rank 1 stays frozen and never reports: killed once rank 0 has (``hung``)
     out = run_ranks(_receive_from_frozen, 2, heartbeat_interval_s=0.3,
-                    heartbeat_timeout_s=2.0, timeout=15, expect_errors=True)
+                    heartbeat_timeout_s=2.0, timeout=15, expect_errors=True, hung=[1])
     status, value = out[0]
     assert status == "ok" and value[0] == "lost" and value[1] == 1, out
 

@@ -108,7 +108,8 @@ def _frozen(rank: int, victim: int) -> tuple[str, float]:
 def test_sigstop_is_detected_and_named(n: int, hosts) -> None:
     victim = n - 1
     outcomes = run_ranks(_frozen, n, victim, hosts=hosts, timeout=40, expect_errors=True,
-                         timeout_s=0.0, heartbeat_interval_s=0.2, heartbeat_timeout_s=2.0)
+                         timeout_s=0.0, heartbeat_interval_s=0.2, heartbeat_timeout_s=2.0,
+                         hung=[victim])
     assert outcomes[victim] is None  # it never reported: the harness killed it
     for rank in range(n):
         if rank == victim:

@@ -46,7 +46,7 @@ def _check_run(n, hosts, algo, elements, sig, timeout_s, wait=60.0):
     mine = f"/dev/shm/shoal-t{os.getpid()}-*"  # the harness names jobs t<pid>-<random>
     outcomes = run_ranks(_victim, n, victim, elements, sig, random.uniform(0.05, 0.3),
                          hosts=hosts, allreduce_algorithm=algo, expect_errors=True,
-                         timeout=wait, timeout_s=timeout_s)
+                         timeout=wait, timeout_s=timeout_s, hung=[victim])
     for rank, outcome in enumerate(outcomes):
         if rank == victim:
             continue
