@@ -246,7 +246,10 @@ class ShardedOptimizer(Wrapper):
         """The backward that completes a step ends (autograd's callback): it returns with
         this rank's reduced gradients, the overflow seen by every rank, as DDP's does."""
         self._end_queued = False
-        self._synchronize(share_overflow=True)
+        # (autograd's own thread runs this: with device tensors it waits without running
+        # the engine's rounds, which wait for device copies)
+        on_device = bool(self._shards) and staged_on_device(self._shards[0].flat)
+        self._synchronize(share_overflow=True, drive=False if on_device else None)
 
     def _reduce(self, shard: _Shard) -> None:
         src = shard.source = stage(shard.grad, reuse=shard.source)
@@ -267,7 +270,7 @@ class ShardedOptimizer(Wrapper):
         if not self._synchronized:
             self._synchronize(share_overflow=True)
 
-    def _synchronize(self, share_overflow: bool) -> None:
+    def _synchronize(self, share_overflow: bool, drive: bool | None = None) -> None:
         self.wait_params()
         for shard in self._shards:
             if shard.handle is None:
@@ -284,7 +287,7 @@ class ShardedOptimizer(Wrapper):
         error: BaseException | None = None
         for shard in self._shards:
             try:
-                shard.handle.wait()
+                shard.handle.wait(drive=drive)
                 shard.staged.finish()
             except BaseException as exc:  # wait for the rest, then raise the first failure
                 error = error or exc
