@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import secrets
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -95,3 +97,40 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
 def pytest_sessionfinish(session, exitstatus) -> None:
     if time.monotonic() - _started > BUDGET_S and exitstatus == 0:
         session.exitstatus = 1
+
+
+# -- sharing the machine between pytest-xdist's workers -----------------------------------------
+# scripts/test.sh runs the suite on several workers (pytest-xdist), since most tests wait on
+# their ranks rather than compute. A test marked ``serial`` (it needs the whole machine, is
+# timed, or reads machine-wide state) runs alone: every other test holds the machine shared,
+# a serial one holds it exclusive. The gate makes the lock prefer the serial test: once one
+# waits, no new test starts until it has run. The lock is taken around the whole test
+# protocol, outside pytest-timeout's clock, so a test waiting its turn is not timed out.
+
+
+def _lock_dir() -> Path | None:
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run is None or os.environ.get("PYTEST_XDIST_WORKER") is None:
+        return None  # one process runs every test: nothing to share
+    path = Path(tempfile.gettempdir()) / f"shoal-pytest-{run[:16]}"
+    path.mkdir(exist_ok=True)
+    return path
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    where = _lock_dir()
+    if where is None:
+        yield
+        return
+    serial = item.get_closest_marker("serial") is not None
+    with open(where / "gate", "a+b") as gate, open(where / "machine", "a+b") as machine:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(machine, fcntl.LOCK_EX if serial else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(machine, fcntl.LOCK_UN)

@@ -9,6 +9,7 @@ traceback; ranks that never report are killed and named.
 
 from __future__ import annotations
 
+import importlib.util
 import multiprocessing as mp
 import os
 import secrets
@@ -21,9 +22,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 # forkserver, not fork: the test process may have run torch (OpenMP) already, and a forked
-# child of a process with a live OpenMP thread pool can deadlock in its first parallel region
+# child of a process with a live OpenMP thread pool can deadlock in its first parallel region.
+# The server imports torch once (it runs nothing in it, so no pool is live), and every rank
+# forked from it has torch without paying its import (3-4 s of CPU each, the largest part of
+# a torch test's time here). TensorFlow is not preloaded: it starts threads at import, and a
+# fork of a process with them is not safe.
 _ctx = mp.get_context("forkserver")
-_ctx.set_forkserver_preload(["numpy", "shoal", "harness"])
+_ctx.set_forkserver_preload(["numpy", "shoal", "harness",
+                             *(["torch"] if importlib.util.find_spec("torch") else [])])
 
 
 #: in a rank: the arguments its ``shoal.init`` got (tests that re-initialise reuse them)

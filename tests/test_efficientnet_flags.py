@@ -163,6 +163,9 @@ def test_walkthrough_dictionary_is_the_walkthroughs_run(path: str) -> None:
     assert args.ignored == []
 
 
+@pytest.mark.serial  # TensorFlow traces B4: the whole machine
+@pytest.mark.timeout(900)
+@pytest.mark.xdist_group("sagemaker-port")  # SageMaker's rendezvous is on a fixed port
 @pytest.mark.slow
 def test_walkthrough_job_under_shoalrun_sagemaker(tmp_path: Path) -> None:
     """The walkthrough's dictionary verbatim as a SageMaker job: shoalrun --sagemaker starts

@@ -51,6 +51,7 @@ sys.stdout.flush()
 """
 
 
+@pytest.mark.serial  # it reads /dev/shm, which every test on the machine writes
 @pytest.mark.parametrize("mode", ["hvd", "backend"])
 def test_torchrun_restart_after_a_killed_worker(tmp_path: Path, mode: str) -> None:
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))

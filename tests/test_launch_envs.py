@@ -122,6 +122,7 @@ def test_slurm_environment() -> None:
     _check(rows, "slurm")
 
 
+@pytest.mark.xdist_group("sagemaker-port")  # SageMaker's rendezvous is on a fixed port
 def test_sagemaker_environment(tmp_path: Path) -> None:
     """One process per SageMaker "host", each with its own fake /opt/ml tree."""
     for host in ("algo-1", "algo-2"):

@@ -120,6 +120,7 @@ def test_rank_that_never_joins_times_out() -> None:
         assert "rank 1 (host" in last and "had not joined the rendezvous" in last, proc.stderr
 
 
+@pytest.mark.xdist_group("sagemaker-port")  # SageMaker's rendezvous is on a fixed port
 def test_sagemaker_job(tmp_path: Path) -> None:
     conf = tmp_path / "input/config"
     conf.mkdir(parents=True)

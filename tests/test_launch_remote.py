@@ -305,6 +305,7 @@ def _sagemaker_tree(base: Path, current: str) -> None:
         (base / d).mkdir(parents=True, exist_ok=True)
 
 
+@pytest.mark.xdist_group("sagemaker-port")  # SageMaker's rendezvous is on a fixed port
 @pytest.mark.parametrize("toolkit", [False, True])
 def test_sagemaker_two_hosts(fake_ssh: tuple[dict[str, str], Path], tmp_path: Path,
                              toolkit: bool) -> None:

@@ -20,6 +20,8 @@ SEEDS_TOP1 = (96.4, 95.5, 98.3, 85.5, 97.8)  # final eval top-1 (%) of seeds 0..
 LEARNED_TOP1 = 75.0  # the lowest of them, less 10 points
 
 
+@pytest.mark.serial  # both ranks compute all the way: the whole machine
+@pytest.mark.timeout(900)
 @pytest.mark.skipif(not (ROOT / ".venv" / "bin" / "python").exists(),
                     reason="scripts/main.sh runs the project's .venv (scripts/setup.sh)")
 def test_main_job_learns(tmp_path: Path) -> None:

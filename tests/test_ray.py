@@ -27,7 +27,8 @@ os.environ.setdefault("RAY_AUTH_MODE", "token")
 ray = pytest.importorskip("ray")
 pytest.importorskip("ray.train")
 
-pytestmark = pytest.mark.slow
+# one worker runs every Ray test: one cluster, and its `ray stop --force` kills no other
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
 
 
 @pytest.fixture
