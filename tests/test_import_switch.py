@@ -261,6 +261,20 @@ def test_a_real_package_is_named_and_not_used(tmp_path: Path) -> None:
     assert "the real horovod was imported" in plain.stderr
 
 
+def test_code_given_with_dash_c_runs_as_python_runs_it() -> None:
+    """``python -m shoal.as horovod -c CODE ARGS``: the code runs as ``__main__`` with
+    ``sys.argv`` = ``["-c", *ARGS]``, its imports switched; its exit status passes through."""
+    code = ("import sys, horovod.torch as hvd\nprint(hvd.__name__, sys.argv, __name__)\n"
+            "sys.exit(int(sys.argv[1]))")
+    proc = subprocess.run([sys.executable, "-m", "shoal.as", "horovod", "-c", code, "3", "-x"],
+                          env=_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 3, proc.stderr
+    assert proc.stdout.split("\n")[0] == "shoal.torch ['-c', '3', '-x'] __main__"
+    proc = subprocess.run([sys.executable, "-m", "shoal.as", "horovod", "-c"], env=_env(),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "-c CODE" in proc.stderr
+
+
 def test_bad_kinds_are_refused_by_name(tmp_path: Path) -> None:
     script = tmp_path / "s.py"
     script.write_text("print('ran')\n")
