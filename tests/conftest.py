@@ -100,12 +100,13 @@ def pytest_sessionfinish(session, exitstatus) -> None:
 
 
 # -- sharing the machine between pytest-xdist's workers -----------------------------------------
-# scripts/test.sh runs the suite on several workers (pytest-xdist), since most tests wait on
-# their ranks rather than compute. A test marked ``serial`` (it needs the whole machine, is
-# timed, or reads machine-wide state) runs alone: every other test holds the machine shared,
-# a serial one holds it exclusive. The gate makes the lock prefer the serial test: once one
-# waits, no new test starts until it has run. The lock is taken around the whole test
-# protocol, outside pytest-timeout's clock, so a test waiting its turn is not timed out.
+# scripts/test.sh runs the suite on several workers (pytest-xdist): one test's ranks leave part
+# of the machine idle, and another worker takes it up. A test marked ``serial`` (it needs the
+# whole machine, is timed, or reads machine-wide state) runs alone: every other test holds the
+# machine shared, a serial one holds it exclusive. The gate makes the lock prefer the serial
+# test: once one waits, no new test starts until it has run. The lock is taken around the
+# whole test protocol, outside pytest-timeout's clock, so a test waiting its turn is not
+# timed out.
 
 
 def _lock_dir() -> Path | None:

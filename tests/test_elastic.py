@@ -188,7 +188,7 @@ def test_below_min_np_fails_with_reason(tmp_path: Path) -> None:
                      "--elastic-timeout", "2",
                      env={"KILL_ID": "localhost:1", "KILL_AT": "2"})
     assert proc.returncode != 0
-    assert "only 1 workers (below --min-np 2) for 2s: stopping the job" in proc.stderr
+    assert "only 1 worker (below --min-np 2) for 2s: stopping the job" in proc.stderr
 
 
 def test_worker_added_through_discovery(tmp_path: Path) -> None:

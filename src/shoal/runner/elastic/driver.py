@@ -203,8 +203,12 @@ class Driver(abc.ABC):
         plan = WorldPlan(self.version, tuple(m.id for m in order),
                          tuple(m.host for m in order), added)
         store.set(WORLD_KEY, plan.to_json())  # type: ignore[attr-defined]
-        self.say(f"elastic: world {self.version}: {len(order)} workers "
+        self.say(f"elastic: world {self.version}: {_workers(len(order))} "
             f"({', '.join(plan.members)})")
+
+
+def _workers(n: int) -> str:
+    return f"{n} worker" if n == 1 else f"{n} workers"
 
 
 def _stop_stranded(d: Driver, store: object) -> None:
@@ -261,7 +265,7 @@ def drive(d: Driver, store: object) -> int:
         if finished:
             _stop_stranded(d, store)
             if not d.members:
-                d.say(f"elastic: job finished ({len(finished)} workers exited 0)")
+                d.say(f"elastic: job finished ({_workers(len(finished))} exited 0)")
                 return ExitCode.OK
             time.sleep(0.05)
             continue
@@ -299,7 +303,7 @@ def drive(d: Driver, store: object) -> int:
             below_since = below_since or now
             if now - below_since > opts.elastic_timeout_s or (first and now - below_since >
                                                              opts.elastic_timeout_s):
-                d.say(f"elastic: only {len(d.members)} workers (below --min-np {opts.min_np}) "
+                d.say(f"elastic: only {_workers(len(d.members))} (below --min-np {opts.min_np}) "
                     f"for {opts.elastic_timeout_s:g}s: stopping the job")
                 return ExitCode.ERROR
             time.sleep(0.05)
