@@ -170,3 +170,20 @@ def test_a_world_replaced_while_its_members_meet(tmp_path: Path) -> None:
     joined = sorted(line.split()[-3:] for line in proc.stdout.splitlines() if "joined" in line)
     assert joined == [["localhost:0", "0", "3"], ["localhost:1", "1", "3"],
                       ["localhost:2", "2", "3"]], proc.stdout + proc.stderr
+
+
+def test_a_lone_worker_that_fails_ends_the_job_and_names_the_way_out(tmp_path: Path) -> None:
+    """horovodrun's default: a failure blacklists the host, so a one-host job whose worker
+    fails has no slot left and ends; the message says which flags keep such a job going."""
+    script = tmp_path / "discover.sh"
+    script.write_text("#!/bin/sh\necho localhost:1\n")
+    script.chmod(0o755)
+    proc = subprocess.run([sys.executable, "-m", "shoal.runner", "-np", "1", "--min-np", "1",
+                           "--max-np", "1", "--host-discovery-script", str(script),
+                           sys.executable, "-c", "import sys; sys.exit(3)"],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT, env=_env())
+    assert proc.returncode == 1, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "every worker failed and no slot is left to start one (1 failure; blacklisted: " \
+           "localhost): stopping the job" in last, proc.stderr
+    assert "--blacklist-after N" in last and "--blacklist-cooldown-range MIN MAX" in last

@@ -203,12 +203,12 @@ class Driver(abc.ABC):
         plan = WorldPlan(self.version, tuple(m.id for m in order),
                          tuple(m.host for m in order), added)
         store.set(WORLD_KEY, plan.to_json())  # type: ignore[attr-defined]
-        self.say(f"elastic: world {self.version}: {_workers(len(order))} "
+        self.say(f"elastic: world {self.version}: {_count(len(order))} "
             f"({', '.join(plan.members)})")
 
 
-def _workers(n: int) -> str:
-    return f"{n} worker" if n == 1 else f"{n} workers"
+def _count(n: int, noun: str = "worker") -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def _stop_stranded(d: Driver, store: object) -> None:
@@ -265,7 +265,7 @@ def drive(d: Driver, store: object) -> int:
         if finished:
             _stop_stranded(d, store)
             if not d.members:
-                d.say(f"elastic: job finished ({_workers(len(finished))} exited 0)")
+                d.say(f"elastic: job finished ({_count(len(finished))} exited 0)")
                 return ExitCode.OK
             time.sleep(0.05)
             continue
@@ -295,15 +295,20 @@ def drive(d: Driver, store: object) -> int:
                         changed = added = True
         if not d.members and d.failures and pool is not None and not any(
                 f"{h}:{s}" not in d.retired for h, n in pool for s in range(n)):
+            blacklisted = sorted(d.blacklist.active(now))
             d.say(f"elastic: every worker failed and no slot is left to start one "
-                f"({sum(d.failures.values())} failures; blacklisted: "
-                f"{', '.join(sorted(d.blacklist.active(now))) or 'none'}): stopping the job")
+                f"({_count(sum(d.failures.values()), 'failure')}; blacklisted: "
+                f"{', '.join(blacklisted) or 'none'}): stopping the job"
+                + ("; to give a host's slots another worker after a failure, as horovodrun "
+                   "does not by default: --blacklist-after N (a host leaves at its Nth "
+                   "failure) or --blacklist-cooldown-range MIN MAX (it comes back after "
+                   "MIN to MAX seconds)" if blacklisted else ""))
             return ExitCode.ERROR
         if len(d.members) < opts.min_np:
             below_since = below_since or now
             if now - below_since > opts.elastic_timeout_s or (first and now - below_since >
                                                              opts.elastic_timeout_s):
-                d.say(f"elastic: only {_workers(len(d.members))} (below --min-np {opts.min_np}) "
+                d.say(f"elastic: only {_count(len(d.members))} (below --min-np {opts.min_np}) "
                     f"for {opts.elastic_timeout_s:g}s: stopping the job")
                 return ExitCode.ERROR
             time.sleep(0.05)
