@@ -5,10 +5,11 @@ Horovod's TensorFlow API (0.28.1) for eager code and ``tf.function`` alike: ``al
 ``alltoall``, ``reducescatter``, ``grouped_reducescatter``, ``join``, process sets,
 ``IndexedSlices``, Horovod's gradient rules, ``DistributedGradientTape``,
 ``PartialDistributedGradientTape``, ``SyncBatchNormalization``, the ``*_op`` tensors and
-``*_built`` queries, ``Compression``; plus SMDDP's ``oob_allreduce`` and, for XLA,
-:mod:`shoal.tensorflow.xla`. ``shoal.tensorflow.keras`` is Keras's side (the same
-implementation as ``shoal.keras``); it, ``SyncBatchNormalization`` and ``xla`` are imported on
-first use (Keras's import costs seconds).
+``*_built`` queries, ``Compression``; plus SMDDP's ``oob_allreduce``, ``get_worker_comm``
+(an mpi4py-style communicator) and, for XLA, :mod:`shoal.tensorflow.xla`.
+``shoal.tensorflow.keras`` is Keras's side (the same implementation as ``shoal.keras``); it,
+``SyncBatchNormalization`` and ``xla`` are imported on first use (Keras's import costs
+seconds).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ except ModuleNotFoundError as exc:  # pragma: no cover - depends on the environm
                               "on machines without GPUs)") from exc
 
 from shoal.core.errors import PeerLostError as HorovodInternalError
+from shoal.core.worker_comm import get_worker_comm
 
 from . import mpi_ops, util
 from .device import pin_gpu
@@ -72,6 +74,7 @@ __all__ = [
     "broadcast_global_variables",
     "broadcast_object",
     "broadcast_object_fn",
+    "get_worker_comm",
     "broadcast_variables",
     "mpi_ops",
     "oob_allreduce",
