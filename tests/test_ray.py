@@ -336,3 +336,47 @@ def test_elastic_executor_finishes_at_the_smaller_size(ray_cluster: str) -> None
     assert results[0]["start_rank"] == 0 and results[0]["size"] == 1
     assert results[0]["epoch"] == 5
     assert sorted(e["started"] for e in logged) == [0, 1]
+
+
+def _v1_train() -> dict:
+    import numpy as np
+
+    import shoal
+    shoal.init()
+    total = shoal.allreduce(np.ones(3, np.float32), op=shoal.Sum, name="v1")
+    return {"size": shoal.size(), "total": total.tolist(), "mark": os.environ.get("V1_MARK")}
+
+
+def test_horovods_first_elastic_executor_as_its_documentation_builds_it(
+        ray_cluster: str) -> None:
+    """``horovod.ray.ElasticRayExecutor`` exactly as Horovod's elastic documentation writes it
+    (on CPUs): settings from ``create_settings(verbose=True)``, resources and ``env_vars`` on
+    the executor, ``start()``, ``run(train_fn)`` with no arguments."""
+    from shoal.ray.elastic import ElasticRayExecutor
+    settings = ElasticRayExecutor.create_settings(verbose=True)
+    executor = ElasticRayExecutor(settings, use_gpu=False, cpus_per_slot=1,
+                                  env_vars={"V1_MARK": "from env_vars"})
+    executor.start()
+    try:
+        results = executor.run(_v1_train)
+    finally:
+        executor.shutdown()
+    # no max_num_proc: as many workers as the cluster's CPUs hold (two nodes of one)
+    assert results == [{"size": 2, "total": [2.0] * 3, "mark": "from env_vars"}] * 2, results
+
+
+def test_elastic_settings_take_horovods_arguments() -> None:
+    from shoal.ray import ElasticRayExecutor
+    s = ElasticRayExecutor.create_settings(min_num_proc=2, max_num_proc=4, reset_limit=3,
+                                           elastic_timeout=30, timeout_s=9, verbose=2)
+    assert (s.min_num_proc, s.max_num_proc, s.reset_limit, s.elastic_timeout, s.num_proc,
+            s.timeout_s, s.verbose, s.elastic) == (2, 4, 3, 30, 2, 9, 2, True)
+    with pytest.warns(DeprecationWarning, match="min_np is deprecated"):
+        s = ElasticRayExecutor.create_settings(min_np=3, max_np=5)
+    assert (s.min_num_proc, s.max_num_proc) == (3, 5)
+    with pytest.raises(TypeError, match=r"unexpected arguments \['colour'\]"):
+        ElasticRayExecutor.create_settings(colour="red")
+    with pytest.raises(ValueError, match="gpus_per_slot is set, but use_gpu is False"):
+        ElasticRayExecutor(s, gpus_per_slot=1)
+    import importlib
+    assert importlib.import_module("shoal.ray.elastic").ElasticRayExecutor is ElasticRayExecutor

@@ -2,7 +2,7 @@
 
 * :class:`RayExecutor` (elastic with ``min_workers=``; :class:`ElasticRayExecutor`):
   Horovod's ``horovod.ray`` API, its module paths included (``shoal.ray.runner``,
-  ``.strategy``, ``.worker``, ``.utils``, ``.elastic_v2``, ``.ray_logger``);
+  ``.strategy``, ``.worker``, ``.utils``, ``.elastic``, ``.elastic_v2``, ``.ray_logger``);
 * :class:`ShoalConfig` / :class:`ShoalTrainer`: Ray Train for Horovod-style training
   functions (``import shoal.torch as hvd; hvd.init()``), the successors of Ray's deprecated
   ``HorovodConfig``/``HorovodTrainer``. ``TorchTrainer(...,
@@ -26,7 +26,7 @@ from .runner import RayExecutor
 from .worker import BaseHorovodWorker
 
 _LAZY = {"ShoalConfig": ".train", "ShoalTrainer": ".train",  # Ray Train, imported on use
-         "ElasticRayExecutor": ".elastic_v2"}
+         "ElasticRayExecutor": ".elastic"}
 
 __all__ = ["BaseHorovodWorker", "ElasticRayExecutor", "RayExecutor", "ShoalConfig",
            "ShoalTrainer"]

@@ -36,7 +36,7 @@ from shoal.runner.util import network
 from .adapter import Adapter, BaseParams
 from .worker import BaseHorovodWorker
 
-__all__ = ["ElasticAdapter", "ElasticParams", "ElasticRayExecutor", "RayHostDiscovery"]
+__all__ = ["ElasticAdapter", "ElasticParams", "RayHostDiscovery"]
 
 
 class RayHostDiscovery(HostDiscovery):
@@ -256,23 +256,3 @@ class ElasticAdapter(Adapter):
 
 ElasticParams.adapter = ElasticAdapter
 
-
-class ElasticRayExecutor:
-    """Horovod's older elastic entry point: ``ElasticRayExecutor(settings, min_workers=...,
-    ...)`` is ``RayExecutor(settings, min_workers=..., ...)``; ``create_settings`` as
-    RayExecutor's. Horovod's ``start()``/``run(worker_fn)`` calls keep working."""
-
-    def __new__(cls, settings: Any, min_workers: int = 1, max_workers: int | None = None,
-                **kwargs: Any) -> Any:
-        from .runner import RayExecutor
-        if "cpus_per_slot" in kwargs:  # Horovod's v1 names
-            kwargs["cpus_per_worker"] = kwargs.pop("cpus_per_slot")
-        if "gpus_per_slot" in kwargs:
-            kwargs["gpus_per_worker"] = kwargs.pop("gpus_per_slot")
-        return RayExecutor(settings, min_workers=min_workers, max_workers=max_workers,
-                           **kwargs)
-
-    @staticmethod
-    def create_settings(*args: Any, **kwargs: Any) -> Any:
-        from .runner import RayExecutor
-        return RayExecutor.create_settings(*args, **kwargs)
