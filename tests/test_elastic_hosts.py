@@ -10,6 +10,7 @@ timeout."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -187,3 +188,39 @@ def test_a_lone_worker_that_fails_ends_the_job_and_names_the_way_out(tmp_path: P
     assert "every worker failed and no slot is left to start one (1 failure; blacklisted: " \
            "localhost): stopping the job" in last, proc.stderr
     assert "--blacklist-after N" in last and "--blacklist-cooldown-range MIN MAX" in last
+
+
+BOUND = r"""
+import json, os, signal, sys, time
+from pathlib import Path
+out = Path(sys.argv[1])
+me = os.environ["SHOAL_ELASTIC_ID"]
+with open(out / "cores.jsonl", "a") as f:
+    f.write(json.dumps({"id": me, "cores": sorted(os.sched_getaffinity(0))}) + "\n")
+if me.endswith(":1") and not (out / "killed").exists():
+    (out / "killed").touch()
+    time.sleep(0.5)
+    os.kill(os.getpid(), signal.SIGKILL)
+time.sleep(3 if not (out / "killed").exists() or me.endswith(":0") else 0.5)
+"""
+
+
+def test_elastic_workers_are_bound_by_slot_and_replacements_keep_the_share(
+        tmp_path: Path) -> None:
+    """Each elastic worker holds its slot's share of the cores, as a plain job's local rank
+    does: the shares of a host's slots are disjoint and cover the cores, at the start and
+    for the worker started in a failed one's place."""
+    script = tmp_path / "bound.py"
+    script.write_text(BOUND)
+    proc = subprocess.run([sys.executable, "-m", "shoal.runner", "-np", "2", "--min-np", "1",
+                           "--blacklist-cooldown-range", "1", "1", sys.executable,
+                           str(script), str(tmp_path)],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT, env=_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "cores.jsonl").read_text().splitlines()]
+    cores = sorted(os.sched_getaffinity(0))
+    share = len(cores) // 2
+    want = {f"localhost:{s}": cores[s * share:(s + 1) * share] for s in range(2)}
+    assert share >= 1 and not set(want["localhost:0"]) & set(want["localhost:1"])
+    assert [r for r in rows if r["cores"] != want[r["id"]]] == [], rows
+    assert [r["id"] for r in rows].count("localhost:1") >= 2, (rows, proc.stderr[-2000:])

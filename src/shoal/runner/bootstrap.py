@@ -73,12 +73,17 @@ def cpu_share(env: dict[str, str]) -> list[int] | None:
     never trade cores with each other (on 2 cores, 2 workers bound so waited 5-15% longer
     for SyncBatchNorm's per-layer statistics than unbound ones, which the scheduler moved
     about: 45%); nothing when they outnumber the cores. ``core``: one core each even then,
-    round robin. ``none``: leave placement to the kernel."""
+    round robin. ``none``: leave placement to the kernel. An elastic worker's local rank
+    changes with the world, so it is bound by its slot instead (``SHOAL_CPU_SLOT`` = ``s/S``,
+    slot s of the S its host offers): a replacement takes the share its slot had."""
     mode = env.get("SHOAL_CPU_BIND", "auto").strip().lower()
     if mode not in ("auto", "core") or not hasattr(os, "sched_setaffinity"):
         return None
     try:
-        local_rank, local_size = int(env["SHOAL_LOCAL_RANK"]), int(env["SHOAL_LOCAL_SIZE"])
+        if "SHOAL_CPU_SLOT" in env:  # an elastic worker: slot s of the host's S, as "s/S"
+            local_rank, local_size = (int(x) for x in env["SHOAL_CPU_SLOT"].split("/"))
+        else:
+            local_rank, local_size = int(env["SHOAL_LOCAL_RANK"]), int(env["SHOAL_LOCAL_SIZE"])
     except (KeyError, ValueError):
         return None
     cores = sorted(os.sched_getaffinity(0))

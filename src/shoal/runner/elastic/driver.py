@@ -293,7 +293,8 @@ def drive(d: Driver, store: object) -> int:
                     if f"{h}:{s}" not in d.members and f"{h}:{s}" not in d.retired:
                         d.start(h, s)
                         changed = added = True
-        if not d.members and d.failures and pool is not None and not any(
+        cooling = any(end != math.inf for end in d.blacklist.until.values())
+        if not d.members and d.failures and pool is not None and not cooling and not any(
                 f"{h}:{s}" not in d.retired for h, n in pool for s in range(n)):
             blacklisted = sorted(d.blacklist.active(now))
             d.say(f"elastic: every worker failed and no slot is left to start one "

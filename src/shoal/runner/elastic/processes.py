@@ -52,11 +52,15 @@ class ProcessDriver(Driver):
         self.done: queue.Queue[Worker] = queue.Queue()
         self.names = local_host_names()
         self.spawned = 0
+        self.slots: dict[str, int] = {}
 
     def discover(self) -> list[tuple[str, int]]:
         if self.opts.discovery_script:
-            return discover(self.opts.discovery_script, slots_per_host=self.opts.slots_per_host)
-        return list(self.opts.hosts)
+            found = discover(self.opts.discovery_script, slots_per_host=self.opts.slots_per_host)
+        else:
+            found = list(self.opts.hosts)
+        self.slots.update(found)  # a host's slot count, for binding its workers to cores
+        return found
 
     def env_of(self, spec: WorkerSpec, member_id: str) -> dict[str, str]:
         local = spec.local
@@ -73,6 +77,7 @@ class ProcessDriver(Driver):
             "SHOAL_SECRET": self.secret, "SHOAL_JOB_ID": self.job_id,
             ELASTIC_ID_VAR: member_id, "SHOAL_HOSTNAME": spec.host,
             "SHOAL_ELASTIC_TIMEOUT_S": str(self.opts.elastic_timeout_s),
+            "SHOAL_CPU_SLOT": f"{spec.local_rank}/{self.slots.get(spec.host, 1)}",
             config.env_name("start_timeout_s"): str(self.start_timeout_s),
             "PYTHONUNBUFFERED": "1"})
         return alias.worker_environment(base)  # the import switch, where --as asks for it
