@@ -30,6 +30,7 @@ _LAZY = {
     "core.reduction": ("Adasum", "Average", "Max", "Min", "Product", "ReduceOp", "Sum"),
     "core.process_sets": ("ProcessSet", "add_process_set", "global_process_set",
                           "remove_process_set"),
+    "runner.func": ("run",),
 }
 _WHERE = {name: module for module, names in _LAZY.items() for name in names}
 

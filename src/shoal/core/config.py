@@ -113,6 +113,11 @@ KNOBS: dict[str, Knob] = _knobs(
     Knob("heartbeat_interval_s", float, 1.0, "how often every rank tells its peers it is alive"),
     Knob("elastic_id", str, None, "this worker's id (host:slot) in an elastic job; set by "
          "shoalrun's elastic mode"),
+    Knob("cpu_slot", str, None, "an elastic worker's slot of its host's slots (s/S), whose "
+         "share of the cores it is bound to; set by shoalrun's elastic mode"),
+    Knob("run_func_addr", str, None, "where a shoal.run (horovod.run) rank fetches its "
+         "function and leaves its result (host:port); set by shoal.run"),
+    Knob("run_func_secret", str, None, "the secret of that store (hex); set by shoal.run"),
     Knob("elastic_timeout_s", float, 600.0, "elastic job: the longest wait for a world that "
          "names this worker, and for enough workers (--elastic-timeout)"),
     Knob("heartbeat", str, "auto", "how heartbeats travel: auto (UDP, probed at start; TCP "
