@@ -158,3 +158,40 @@ def test_an_elastic_worker_gets_horovods_variables(monkeypatch) -> None:
     assert got == {"HOROVOD_HOSTNAME": "b", "HOROVOD_RANK": "2", "HOROVOD_SIZE": "3",
                    "HOROVOD_LOCAL_RANK": "1", "HOROVOD_LOCAL_SIZE": "2",
                    "HOROVOD_CROSS_RANK": "1", "HOROVOD_CROSS_SIZE": "2"}
+
+
+def test_a_retried_error_is_logged_on_one_line(monkeypatch, caplog) -> None:
+    """A framework's many-line error (TensorFlow's op errors carry a block of graph context)
+    says its first line at warning level; the whole error goes to debug."""
+    import logging
+
+    from shoal.core import elastic
+    from shoal.core.errors import PeerLostError
+    monkeypatch.setattr(api, "is_initialized", lambda: True)
+    monkeypatch.setenv(elastic.ELASTIC_ID_VAR, "localhost:0")
+    calls: list[str] = []
+
+    class _State:
+        def sync(self) -> None:
+            calls.append("sync")
+
+        def restore(self) -> None:
+            calls.append("restore")
+
+        def on_reset(self) -> None:
+            calls.append("reset")
+
+    def train(state: _State) -> str:
+        if "restore" not in calls:
+            raise PeerLostError("rank 1 was lost\n\t [[{{node allreduce}}]]\n\t block")
+        return "done"
+
+    wrapped = elastic.run_fn(train, reset_fn=lambda: None)
+    with caplog.at_level(logging.DEBUG, logger="shoal.elastic"):
+        assert wrapped(_State()) == "done"
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert [r.getMessage() for r in warned] == [
+        "elastic: PeerLostError: rank 1 was lost [...]; back to the last commit, joining the "
+        "next world"]
+    assert any(r.levelno == logging.DEBUG and r.exc_info for r in caplog.records)
+    assert calls == ["sync", "restore", "reset", "sync"]

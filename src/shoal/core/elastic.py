@@ -375,6 +375,15 @@ class ObjectState(State):
             self._set_attrs()
 
 
+def one_line(exc: BaseException, limit: int = 300) -> str:
+    """``Type: message`` on one line: the message's first line, cut at ``limit`` characters
+    (TensorFlow's op errors carry a block of graph context after it)."""
+    lines = str(exc).strip().splitlines()
+    text = lines[0].strip() if lines else ""
+    more = len(lines) > 1 or len(text) > limit
+    return f"{type(exc).__name__}: {text[:limit]}" + (" [...]" if more else "")
+
+
 def _retryable(exc: BaseException) -> bool:
     """A loss inside a collective (the communicator is closed): retry in a new world. A
     mismatch or a bad argument is the program's, not the world's: no retry."""
@@ -414,8 +423,9 @@ def run_fn(func: _F, reset_fn: Callable[[], Any] = reset,
             except Exception as exc:
                 if not retry(exc) or not os.environ.get(ELASTIC_ID_VAR):
                     raise
-                _log.warning("elastic: %s: %s; back to the last commit, joining the next "
-                             "world", type(exc).__name__, exc)
+                _log.warning("elastic: %s; back to the last commit, joining the next world",
+                             one_line(exc))
+                _log.debug("elastic: the error in full", exc_info=exc)
                 state.restore()
                 skip_sync = False
             reset_fn()
