@@ -27,8 +27,11 @@ os.environ.setdefault("RAY_AUTH_MODE", "token")
 ray = pytest.importorskip("ray")
 pytest.importorskip("ray.train")
 
-# one worker runs every Ray test: one cluster, and its `ray stop --force` kills no other
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
+# one worker runs every Ray test (one cluster), each alone: Ray picks its nodes' addresses
+# from the machine's interfaces at start, which other tests' network namespaces change (a run
+# beside them started its GCS on another test's address), and `ray stop --force` is
+# machine-wide
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray"), pytest.mark.serial]
 
 
 @pytest.fixture

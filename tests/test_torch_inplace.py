@@ -212,6 +212,11 @@ GLOO_CRASHES = {("reduce_scatter_tensor", "scalar")}
 #: where shoal refuses with a ValueError that says the fix and gloo completes: Horovod's
 #: allgather works on rows, and refuses a rank-zero tensor as Horovod does
 SHOAL_REFUSES = {("hvd.allgather", "scalar")}
+#: where gloo's refusal is not reliable: its gather into a tensor from a parameter refused in
+#: every run but one of the whole suite under load, which completed with an output that
+#: requires grad (an autograd copy); shoal's values are checked against the reference either
+#: way, and its output, written in place, does not require grad
+GLOO_SOMETIMES = {("all_gather_into_tensor", "param")}
 
 
 @pytest.mark.parametrize("n", [2, 3])
@@ -242,6 +247,8 @@ def test_in_place_collectives_on_every_kind_of_tensor_as_gloo(n: int) -> None:
             if theirs[0] == "err":
                 if (op, kind) not in GLOO_REFUSES:
                     problems.append(f"rank {rank} {case}: gloo raised {theirs[1:]}, shoal not")
+                continue
+            if (op, kind) in GLOO_SOMETIMES:
                 continue
             if (op, kind) in GLOO_REFUSES and not (op == "send_recv" and rank > 1):
                 problems.append(f"rank {rank} {case}: gloo completes now; update the table")
